@@ -1,0 +1,31 @@
+"""amanda: unified instrumentation for deep neural networks.
+
+Write a tool once — analysis routines that choose where to instrument and
+instrumentation routines that run there — and apply it to PyTorch eager,
+TensorFlow graph mode or ONNX models with ``with amanda.apply(tool): ...``.
+
+Importing amanda never imports a framework; a backend loads when first used.
+"""
+
+from amanda import tool
+from amanda.context import Action, OpContext
+from amanda.controls import (ad_disabled, ad_enabled, cache_disabled, cache_enabled,
+                             disabled, enabled)
+from amanda.errors import AmandaError, BackendError, DependencyError, ToolError
+from amanda.tool import Tool, apply
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action", "AmandaError", "BackendError", "DependencyError", "OpContext", "Tool",
+    "ToolError", "ad_disabled", "ad_enabled", "apply", "cache_disabled", "cache_enabled",
+    "disabled", "enabled", "tool", "tools", "ir",
+]
+
+
+def __getattr__(name):
+    # Subpackages load on first access so `import amanda` stays light.
+    if name in ("tools", "ir", "frontends", "passes", "runtime"):
+        import importlib
+        return importlib.import_module(f"amanda.{name}")
+    raise AttributeError(f"module 'amanda' has no attribute {name!r}")

@@ -1,0 +1,70 @@
+"""Calling instrumentation routines and checking what they return.
+
+Shared by every backend that runs Python routines: a routine receives the
+selected tensors positionally plus its keyword arguments and returns None
+(observe only), one tensor (when one was selected) or a sequence of the same
+length as the selection (``None`` entries keep the original).
+"""
+
+from __future__ import annotations
+
+from amanda.errors import AmandaError, ToolError
+
+
+def select(values, positions, action, where):
+    """The values at ``positions`` (all of them when positions is None)."""
+    if positions is None:
+        return list(values)
+    try:
+        return [values[p] for p in positions]
+    except IndexError:
+        raise _error(action, where, f"selects positions {list(positions)} but the op has "
+                     f"{len(values)} such tensors") from None
+
+
+def call_routine(action, selected, is_tensor, where):
+    """Run ``action.func`` on ``selected`` and return the replacements.
+
+    Args:
+        action: the :class:`~amanda.context.Action`.
+        selected: the selected tensors.
+        is_tensor: predicate recognising the backend's tensors.
+        where: ``(op_name, op_id, namespace)`` for error messages.
+
+    Returns:
+        None when the routine observes only, else a list with one entry per
+        selected tensor (None where the routine kept the original).
+
+    Raises:
+        ToolError: the routine raised or returned something else.
+    """
+    try:
+        result = action.func(*selected, **action.kwargs)
+    except AmandaError:
+        raise
+    except Exception as exc:
+        raise _error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+    if result is None:
+        return None
+    if is_tensor(result):
+        if len(selected) != 1:
+            raise _error(action, where, f"returned one tensor but {len(selected)} tensors "
+                         "were selected; return a sequence of that length or None")
+        return [result]
+    if isinstance(result, (tuple, list)):
+        if len(result) != len(selected):
+            raise _error(action, where, f"returned {len(result)} values for "
+                         f"{len(selected)} selected tensors")
+        for value in result:
+            if value is not None and not is_tensor(value):
+                raise _error(action, where, "returned a sequence containing "
+                             f"{type(value).__name__}; expected tensors or None")
+        return list(result)
+    raise _error(action, where, f"returned {type(result).__name__}; expected None, a tensor "
+                 "or a sequence of tensors")
+
+
+def _error(action, where, message):
+    op_name, op_id, namespace = where
+    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
+                     routine=action.func, op_name=op_name, op_id=op_id, namespace=namespace)
