@@ -79,6 +79,11 @@ class Tool:
                                   f"objects, got {tool!r}")
             self._dependencies.append(tool)
 
+    def graph_completed(self, graph):
+        """Called with each finished step graph (an :class:`amanda.ir.Graph`)
+        when this tool set ``self.requires_graph = True``. The default does
+        nothing; graph tools override it."""
+
     def get_dependencies(self):
         """The tools this tool directly depends on."""
         return tuple(self._dependencies)
@@ -144,6 +149,19 @@ class Session:
         self.requires_graph = any(t.requires_graph for t in tools)
         self.caches = {}   # backend name -> backend-owned cache object
         self.active = 0    # number of threads inside apply() with this session
+
+    def graph_completed(self, graph):
+        """Hand a finished step graph to the tools that asked for graphs."""
+        for tool in self.tools:
+            if tool.requires_graph:
+                try:
+                    tool.graph_completed(graph)
+                except AmandaError:
+                    raise
+                except Exception as exc:
+                    raise ToolError(f"graph_completed raised {type(exc).__name__}: {exc}",
+                                    tool=tool, routine=tool.graph_completed,
+                                    namespace=graph.namespace) from exc
 
     def analyse(self, point, context):
         """Run every routine registered at ``point`` on ``context``.

@@ -128,6 +128,13 @@ def _is_straight_through(node):
     return type(node) is _STRAIGHT_THROUGH_NODE
 
 
+def resolve_straight_through(node):
+    """The node behind the driver's pass-through nodes (None stays None)."""
+    while node is not None and type(node) is _STRAIGHT_THROUGH_NODE:
+        node = node.next_functions[0][0]
+    return node
+
+
 def _is_tensor(value):
     return isinstance(value, _Tensor)
 
@@ -238,7 +245,8 @@ class _Cache:
         self.trace = None
         if session.requires_graph:
             from amanda.frontends.pytorch import EagerTrace
-            self.trace = EagerTrace(NAMESPACE)
+            self.trace = EagerTrace(NAMESPACE, on_complete=session.graph_completed,
+                                    resolve_node=resolve_straight_through)
 
 
 # -- per-thread state ----------------------------------------------------------
@@ -462,9 +470,12 @@ def _run_op(cache, record, func, args, kwargs):
     where = (record.name, record.op_id, NAMESPACE)
     tensors, slots = _flatten(args, kwargs)
     context = None
+    trace = cache.trace
     if not record.pre_done:
         context = record.get_context()
         context._inputs = tensors
+        if trace is not None:
+            context._graph = trace.graph
         try:
             _analyse(session, FORWARD_BEFORE, context, record, _FORWARD_KINDS)
         finally:
@@ -481,12 +492,16 @@ def _run_op(cache, record, func, args, kwargs):
     outputs = _flatten_outputs(result)
     nodes = ()
     if (record.needs_walk() or cache.trace is not None) and torch.is_grad_enabled():
-        nodes = _walk_new_nodes(outputs, mark, session.token)
+        nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
+        record.walked = True
         if nodes:
             _install_backward(session, record, nodes)
+    ir_op = trace.forward(record, func, args, kwargs, tensors, outputs, nodes) if trace else None
     if not record.post_done:
         context = record.get_context()
         context._inputs, context._outputs = tensors, outputs
+        if trace is not None:
+            context._graph, context._ir_op = trace.graph, ir_op
         try:
             _analyse(session, FORWARD_AFTER, context, record, _FORWARD_KINDS)
         finally:
@@ -494,8 +509,8 @@ def _run_op(cache, record, func, args, kwargs):
         record.post_done = True
     if record.after and outputs and _apply_actions(record.after, outputs, where):
         result = _rebuild_outputs(result, outputs)
-    if cache.trace is not None:
-        cache.trace.forward(record, func, args, kwargs, tensors, outputs, nodes)
+        if ir_op is not None:
+            trace.alias(outputs, ir_op.outputs)
     record.refresh()
     return result
 
@@ -519,10 +534,14 @@ def _replace(action, selected, where):
 
 # -- backward ops -----------------------------------------------------------------
 
-def _walk_new_nodes(outputs, mark, token):
+def _walk_new_nodes(outputs, mark, owner):
     """Autograd nodes created since sequence number ``mark``, reachable from
-    the outputs, in breadth-first order. Gradient accumulators (which carry
-    no creation order) belong to the first op that reaches them."""
+    the outputs, in breadth-first order.
+
+    Gradient accumulators carry no creation order and outlive a step while
+    an old graph is referenced; one belongs to the first op (``owner``: session
+    token and op id) that reaches it, and is found again by that op only.
+    """
     queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
     found, seen, i = [], set(), 0
     while i < len(queue):
@@ -534,8 +553,11 @@ def _walk_new_nodes(outputs, mark, token):
         seq = node._sequence_nr()
         if seq == _ACCUMULATE:
             metadata = node.metadata
-            if metadata.get("amanda") != token:
-                metadata["amanda"] = token
+            claim = metadata.get("amanda")
+            if claim is None or claim[0] != owner[0]:
+                metadata["amanda"] = owner
+                found.append(node)
+            elif claim == owner:
                 found.append(node)
             continue
         if seq < mark and not _is_straight_through(node):
@@ -547,12 +569,16 @@ def _walk_new_nodes(outputs, mark, token):
 
 
 def _install_backward(session, record, nodes):
-    record.walked = True
     for index, node in enumerate(nodes):
         brec = record.backward_record(index, type(node).__name__)
+        metadata = node.metadata
+        if metadata.get("amanda_hooks") == session.token:
+            continue  # an accumulator kept alive from an earlier step: hooked already
+        metadata["amanda_hooks"] = session.token
         if not brec.pre_done or brec.before:
             node.register_prehook(functools.partial(_backward_pre, session, brec))
-        if not brec.post_done or brec.after or brec.replace:
+        # A pending pre-analysis may record "after" actions for this very run.
+        if not brec.pre_done or not brec.post_done or brec.after or brec.replace:
             node.register_hook(functools.partial(_backward_post, session, brec))
 
 
@@ -653,6 +679,9 @@ class TorchEagerDriver:
 
     def exit(self, session, restored):
         st = _state()
+        cache = session.caches.get("pytorch")
+        if cache is not None and cache.trace is not None:
+            cache.trace.finish()  # a scope's end ends the traced step
         st.depth -= 1
         if st.depth == 0:
             mode, st.mode, st.cache = st.mode, None, None
