@@ -572,14 +572,31 @@ def _install_backward(session, record, nodes):
     for index, node in enumerate(nodes):
         brec = record.backward_record(index, type(node).__name__)
         metadata = node.metadata
-        if metadata.get("amanda_hooks") == session.token:
-            continue  # an accumulator kept alive from an earlier step: hooked already
-        metadata["amanda_hooks"] = session.token
-        if not brec.pre_done or brec.before:
-            node.register_prehook(functools.partial(_backward_pre, session, brec))
+        hooks = metadata.get("amanda_hooks")
+        if hooks is None or hooks.session is not session:
+            # Hooks reach their record through a holder: an accumulator kept
+            # alive by an old graph is found again, and must not be hooked twice.
+            hooks = metadata["amanda_hooks"] = _NodeHooks(session)
+        hooks.brec = brec
+        if not hooks.pre and (not brec.pre_done or brec.before):
+            node.register_prehook(functools.partial(_backward_pre, hooks))
+            hooks.pre = True
         # A pending pre-analysis may record "after" actions for this very run.
-        if not brec.pre_done or not brec.post_done or brec.after or brec.replace:
-            node.register_hook(functools.partial(_backward_post, session, brec))
+        if not hooks.post and (not brec.pre_done or not brec.post_done or brec.after
+                               or brec.replace):
+            node.register_hook(functools.partial(_backward_post, hooks))
+            hooks.post = True
+
+
+class _NodeHooks:
+    """What a node's hooks act on; replaced when an old node is found again."""
+
+    __slots__ = ("session", "brec", "pre", "post")
+
+    def __init__(self, session):
+        self.session = session
+        self.brec = None
+        self.pre = self.post = False
 
 
 def _backward_context(brec):
@@ -596,7 +613,8 @@ def _where(brec):
     return (brec.name, brec.op_id, NAMESPACE)
 
 
-def _backward_pre(session, brec, grad_outputs):
+def _backward_pre(hooks, grad_outputs):
+    session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
     if not brec.pre_done:
@@ -615,7 +633,8 @@ def _backward_pre(session, brec, grad_outputs):
     return None
 
 
-def _backward_post(session, brec, grad_inputs, grad_outputs):
+def _backward_post(hooks, grad_inputs, grad_outputs):
+    session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
     if not brec.post_done:
