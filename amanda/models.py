@@ -273,6 +273,16 @@ def available():
     return {name: spec.description for name, spec in BUILTIN.items()}
 
 
+def check(spec):
+    """Raise :class:`ModelSpecError` unless a built-in name or a resolver
+    matches ``spec`` (without building anything)."""
+    if spec in BUILTIN or any(matches(spec) for _, matches, _ in _RESOLVERS):
+        return
+    kinds = ", ".join(name for name, _, _ in _RESOLVERS)
+    raise ModelSpecError(f"unknown model {spec!r}: choose a built-in model "
+                         f"({', '.join(BUILTIN)}) or a {kinds}")
+
+
 def load(spec):
     """Build the workload a spec string names.
 
@@ -285,12 +295,9 @@ def load(spec):
     Raises:
         ModelSpecError: no built-in name or resolver matches ``spec``.
     """
+    check(spec)
     builtin = BUILTIN.get(spec)
     if builtin is not None:
         return builtin.load()
-    for _, matches, loader in _RESOLVERS:
-        if matches(spec):
-            return loader(spec)
-    kinds = ", ".join(name for name, _, _ in _RESOLVERS)
-    raise ModelSpecError(f"unknown model {spec!r}: choose a built-in model "
-                         f"({', '.join(BUILTIN)}) or a {kinds}")
+    loader = next(load for _, matches, load in _RESOLVERS if matches(spec))
+    return loader(spec)

@@ -55,6 +55,17 @@ def test_every_kind_of_call_is_a_point_but_queries_are_not():
     assert torch.equal(f, expected)
 
 
+def test_running_backward_is_not_a_forward_op():
+    tool = Recorder(backward=True)
+    x = torch.ones(3, requires_grad=True)
+    with amanda.apply(tool):
+        (g,) = torch.autograd.grad((x * x).sum(), x)
+        (x * 3).sum().backward()
+    assert [n for n, _ in tool.seen] == ["mul", "sum", "mul", "sum"]
+    assert torch.equal(g, 2 * x.detach())
+    assert {name for name, _, _ in tool.backward_seen} >= {"MulBackward0", "SumBackward0"}
+
+
 def test_calls_inside_an_op_belong_to_it():
     tool = Recorder()
     layer, x = torch.nn.LayerNorm(4), torch.rand(2, 4)

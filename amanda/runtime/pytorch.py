@@ -64,7 +64,9 @@ __delete__ _is_view is_same_size __torch_function__ __get__
 _TENSOR_PROPERTIES = frozenset("T mT H mH real imag".split())
 
 _NOT_A_POINT = None
-_FUNCS = {}  # func -> op name, or _NOT_A_POINT
+# func -> op name, or _NOT_A_POINT. Running the backward pass is not a forward
+# op: its nodes are the backward ops.
+_FUNCS = {torch.autograd.grad: _NOT_A_POINT, torch.autograd.backward: _NOT_A_POINT}
 
 
 def _classify(func):
