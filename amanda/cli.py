@@ -344,8 +344,9 @@ def build_parser():
     parser.add_argument("--version", action="version", version=f"amanda {amanda.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for c in COMMANDS.values():
-        p = sub.add_parser(c.name, help=c.help, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description=c.description, epilog=f"example:\n  {c.example}")
+        p = sub.add_parser(c.name, help=c.help, description=c.description,
+                           epilog=f"example:\n  {c.example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_arguments(p)
         p.set_defaults(run=c.run)
     return parser

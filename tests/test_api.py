@@ -89,6 +89,22 @@ def test_namespace_and_module_path(cnn):
     assert paths["reshape"] == ""   # in the root module's own forward
 
 
+def test_module_paths_match_named_modules_through_module_lists():
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                 intermediate_size=37))
+    names = {name for name, _ in model.named_modules()}
+    paths = []
+    tool = amanda.Tool()
+    tool.add_inst_for_op(lambda c: paths.append((c.get_op_name(), c.get_module_path())))
+    with amanda.apply(tool):
+        model(torch.randint(0, 100, (1, 4)))
+    linear_paths = [p for name, p in paths if name == "linear"]
+    assert "encoder.layer.1.attention.self.query" in linear_paths
+    assert all(p in names for _, p in paths if p is not None)
+
+
 # -- op ids and caching ---------------------------------------------------------
 
 def test_op_ids_are_stable_across_steps_and_distinct(cnn):

@@ -293,17 +293,30 @@ def _module_post_hook(module, args, output):
 
 
 def _module_path(refs):
-    """Dotted path of the innermost module: "" for the root, None outside."""
+    """Dotted path of the innermost module, as ``named_modules()`` names it:
+    "" for the root, None outside any module."""
     if not refs:
         return None
     parts = []
     parent = refs[0]()
     for ref in refs[1:]:
         child = ref()
-        name = next((n for n, m in getattr(parent, "_modules", {}).items() if m is child), None)
-        parts.append(name if name is not None else type(child).__name__)
+        parts.append(_child_name(parent, child))
         parent = child
     return ".".join(parts)
+
+
+def _child_name(parent, child):
+    # Containers that are not called themselves (nn.ModuleList, a dict of
+    # modules...) sit between a caller and the module it calls: search below.
+    for name, module in getattr(parent, "_modules", {}).items():
+        if module is child:
+            return name
+    if hasattr(parent, "named_modules"):
+        for name, module in parent.named_modules():
+            if module is child and name:
+                return name
+    return type(child).__name__
 
 
 class _Mode(TorchFunctionMode):

@@ -111,50 +111,6 @@ def _count_calls(model, step, register):
     return by_path, by_type, None
 
 
-def _count_forward(model, step):
-    """Run ``step`` with forward pre-hooks and hooks on every module.
-
-    Returns (calls by module path, calls by module type, reported paths):
-    ``reported`` maps each module path as amanda reports it to the
-    ``named_modules()`` paths called under it. amanda names a module by the
-    attribute under which the *calling* module holds it, else by its type
-    name, so a layer called from a loop over an ``nn.ModuleList`` or
-    ``nn.Sequential`` reads ``encoder.BertLayer.attention`` rather than
-    ``encoder.layer.3.attention``; the stack kept here applies that rule.
-    """
-    by_path, by_type = collections.Counter(), collections.Counter()
-    reported = collections.defaultdict(set)
-    stack = []  # (module, reported path) of the modules being called
-
-    def make_pre_hook(path, module):
-        def pre_hook(*_):
-            if stack:
-                caller, caller_path = stack[-1]
-                segment = next((n for n, m in caller._modules.items() if m is module),
-                               type(module).__name__)
-                name = f"{caller_path}.{segment}" if caller_path else segment
-            else:
-                name = ""
-            stack.append((module, name))
-            reported[name].add(path)
-        return pre_hook
-
-    def make_hook(path, module):
-        kind = type(module).__name__
-
-        def hook(*_):
-            if stack:
-                stack.pop()
-            by_path[path] += 1
-            by_type[kind] += 1
-        return hook
-
-    with _hooked(model, "register_forward_pre_hook", make_pre_hook), \
-            _hooked(model, "register_forward_hook", make_hook):
-        step()
-    return by_path, by_type, {k: sorted(v) for k, v in reported.items()}
-
-
 def module_hook_coverage(model, step):
     """Count the instrumentation points module hooks offer on one step.
 
@@ -174,11 +130,11 @@ def module_hook_coverage(model, step):
         A dict: ``forward`` (hook calls), ``forward_calls`` (module path ->
         calls), ``forward_by_type`` (module type -> calls), ``backward``,
         ``backward_by_type``, ``backward_error``, ``backward_pre``,
-        ``backward_pre_error``, ``reported_paths`` (module path as amanda
-        reports it -> ``named_modules()`` paths), and ``forward_leaf`` (forward hook calls on
-        modules without children, the only ones that can stand for an op).
+        ``backward_pre_error``, and ``forward_leaf``
+        (forward hook calls on modules without children, the only ones that
+        can stand for an op).
     """
-    forward_calls, forward_by_type, reported = _count_forward(model, step)
+    forward_calls, forward_by_type, _ = _count_calls(model, step, "register_forward_hook")
     backward_calls, backward_by_type, backward_error = _count_calls(
         model, step, "register_full_backward_hook")
     pre_calls, _, pre_error = _count_calls(model, step, "register_full_backward_pre_hook")
@@ -191,7 +147,6 @@ def module_hook_coverage(model, step):
         "backward_error": backward_error,
         "backward_pre": None if pre_calls is None else sum(pre_calls.values()),
         "backward_pre_error": pre_error,
-        "reported_paths": reported,
         "forward_leaf": sum(forward_calls[path] for path, m in model.named_modules()
                             if not any(m.children())),
     }
@@ -199,11 +154,11 @@ def module_hook_coverage(model, step):
 
 # -- which forward points a module hook stands for -----------------------------------------
 
-def classify_forward_points(forward_by_module, model, forward_calls, reported_paths=None):
+def classify_forward_points(forward_by_module, model, forward_calls):
     """Split amanda's forward points by what module hooks can do about them.
 
-    An op is attributed to the innermost module running it: its module path,
-    looked up in ``reported_paths`` and else in ``model.named_modules()``:
+    An op is attributed to the innermost module running it (its module path
+    names a module of ``model.named_modules()``):
 
     * ``covered``: it runs in a leaf module (no children) that runs exactly
       one op per call (ops / forward hook calls == 1), e.g. ``conv2d`` in
@@ -224,16 +179,11 @@ def classify_forward_points(forward_by_module, model, forward_calls, reported_pa
         model: the ``torch.nn.Module`` the points were counted on.
         forward_calls: path in ``model.named_modules()`` -> forward hook calls,
             as returned by :func:`module_hook_coverage`.
-        reported_paths: module path as amanda reports it -> paths in
-            ``model.named_modules()``, as returned by :func:`module_hook_coverage`.
 
     Returns:
         ``{category: {op name: points}}``.
     """
-    named = dict(model.named_modules())
-    modules = {path: [(path, m)] for path, m in named.items()}
-    for path, names in (reported_paths or {}).items():
-        modules[path] = [(n, named[n]) for n in names]
+    modules = {path: [(path, m)] for path, m in model.named_modules()}
     ops_in = collections.Counter()
     for (path, _), n in forward_by_module.items():
         ops_in[path] += n
@@ -282,8 +232,7 @@ def compare_coverage(spec):
     with amanda.apply(tool):
         work.run()
     hooks = module_hook_coverage(work.model, work.run)
-    kinds = classify_forward_points(tool.forward_by_module, work.model,
-                                    hooks["forward_calls"], hooks["reported_paths"])
+    kinds = classify_forward_points(tool.forward_by_module, work.model, hooks["forward_calls"])
     return {
         "model": work.name,
         "amanda_forward": tool.forward_points,

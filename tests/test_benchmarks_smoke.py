@@ -1,0 +1,78 @@
+"""Smoke test of the benchmark harness: structure of results, not timings."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks import eager, harness, run  # noqa: E402
+
+
+def _tiny():
+    """Two linear layers: a few forward and backward ops."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return model, torch.randn(3, 4)
+
+
+def _tiny_inplace():
+    """An in-place ReLU after a linear layer: full backward hooks reject it."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True))
+    return model, torch.randn(3, 4)
+
+
+TINY = eager.ModelSpec("tiny", _tiny, repeats=2, targets={"analysis-only": 100.0})
+TINY_INPLACE = eager.ModelSpec("tiny-inplace", _tiny_inplace, repeats=1,
+                               targets={"identity": 100.0})
+
+
+def test_benchmark_model_structure():
+    result = eager.benchmark_model(TINY, repeats=2, warmup=1)
+    assert result["model"] == "tiny" and result["repeats"] == 2
+    points = result["points"]
+    assert points["forward"] > 0 and points["backward"] > 0
+    assert points["total"] == points["forward"] + points["backward"]
+    assert set(result["configs"]) == set(eager.CONFIG_NAMES)
+    assert result["failures"] == {}
+    for name, stats in result["configs"].items():
+        assert stats["runs"] == 2 and len(result["times_s"][name]) == 2
+        assert stats["median_s"] > 0 and stats["ratio"] > 0
+        assert {"per_op_us", "spread", "min_s", "max_s"} <= set(stats)
+    assert result["configs"]["vanilla"]["ratio"] == 1.0
+    assert set(result["targets_met"]) == {"analysis-only"}
+    assert "other_processes_cores" in result
+
+
+def test_failing_config_is_reported_not_raised():
+    result = eager.benchmark_model(TINY_INPLACE, repeats=1, warmup=1)
+    assert "module hooks" not in result["configs"]
+    assert "module hooks" not in result["times_s"]
+    assert result["failures"]["module hooks"].startswith("RuntimeError")
+    assert "\n" not in result["failures"]["module hooks"]
+    assert "identity" in result["configs"]
+
+
+def test_run_renders_and_writes(tmp_path, monkeypatch):
+    markdown, raw = eager.run(repeats=1, specs=(TINY, TINY_INPLACE), log=lambda *_: None)
+    assert raw["suite"] == "eager" and len(raw["results"]) == 2
+    assert {"cpu", "cores", "torch", "torch_threads"} <= set(raw["machine"])
+    assert "| tiny |" in markdown and "fails" in markdown and "Machine:" in markdown
+    md_path, json_path = harness.write_results("eager", markdown, raw, tmp_path)
+    assert md_path.read_text() == markdown
+    assert json.loads(json_path.read_text())["results"][0]["model"] == "tiny"
+
+
+def test_run_main_parses_options(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(repeats=None, quick=False):
+        calls.append((repeats, quick))
+        return "# report\n", {"suite": "eager"}
+
+    monkeypatch.setattr(eager, "run", fake_run)
+    assert run.main(["--only", "eager", "--repeats", "3", "--quick",
+                     "--out", str(tmp_path)]) == 0
+    assert calls == [(3, True)]
+    assert (tmp_path / "eager.md").read_text() == "# report\n"
+    with pytest.raises(SystemExit):
+        run.parse_args(["--only", "nope"])
