@@ -433,16 +433,22 @@ def _rebuild_outputs(result, new):
         return tuple(items)
 
 
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
 def _invoke(action, selected, where):
-    """Run a routine with autodiff isolation unless it opted in."""
+    """Run a routine with autodiff isolation unless it opted in. Amanda is
+    disabled meanwhile: a routine's own torch calls are not instrumented."""
     state = controls.state
-    saved, state.disabled = state.disabled, True   # routines' own ops are not points
+    saved, state.disabled = state.disabled, True
+    grad = _grad_enabled()
+    if not action.ad:
+        _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     try:
-        if action.ad:
-            return call_routine(action, selected, _is_tensor, where)
-        with torch.no_grad():
-            return call_routine(action, selected, _is_tensor, where)
+        return call_routine(action, selected, _is_tensor, where)
     finally:
+        _set_grad_enabled(grad)
         state.disabled = saved
 
 
@@ -461,7 +467,7 @@ def _apply_actions(actions, values, where):
             if new is None or new is old:
                 continue
             if not action.ad and isinstance(old, _Tensor) and old.requires_grad \
-                    and torch.is_grad_enabled():
+                    and _grad_enabled():
                 new = _StraightThrough.apply(old, new.detach())
             values[pos] = new
             changed = True
