@@ -1,0 +1,171 @@
+"""The instrumentation pass: run the tools' analysis routines over IR ops.
+
+Shared by every graph backend (TensorFlow graph mode, ONNX): the frontend lifts
+the backend program into an :class:`amanda.ir.Graph`, this pass runs the
+analysis routines of an :class:`amanda.tool.Session` on each op and records the
+actions they ask for, and the backend's runtime lowers the actions into the
+backend program. Nothing here knows a framework: a :class:`GraphBackend` says
+what the backend's op and tensor objects are.
+
+Forward ops are analysed first, in graph order; then backward ops (IR ops with
+``attrs["backward"]``), whose context starts from a copy of their forward op's
+context (``attrs["forward_op"]`` names it; None for gradient ops that belong to
+no forward op, whose ``get_op()`` is then None).
+"""
+
+from __future__ import annotations
+
+from amanda.context import (AFTER_BACKWARD, AFTER_OP, BEFORE_BACKWARD, BEFORE_OP,
+                            REPLACE_BACKWARD, REPLACE_OP, OpContext)
+from amanda.errors import ToolError
+from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
+
+_BEFORE = (BEFORE_OP, BEFORE_BACKWARD)
+_AFTER = (AFTER_OP, AFTER_BACKWARD)
+_REPLACE = (REPLACE_OP, REPLACE_BACKWARD)
+
+
+class GraphBackend:
+    """What the pass needs to know of a backend. Subclass per backend.
+
+    Attributes:
+        namespace: the contexts' namespace, e.g. ``"tensorflow/2.21.0/graph"``.
+    """
+
+    namespace = ""
+
+    def raw_op(self, ir_op):
+        """The backend's op object for an IR op (``get_op()``)."""
+        return ir_op
+
+    def values(self, ir_tensors):
+        """What ``get_inputs()`` & co. return for IR tensors."""
+        return list(ir_tensors)
+
+
+class OpActions:
+    """The actions recorded on one IR op, and its context."""
+
+    __slots__ = ("op", "context", "before", "after", "replace")
+
+    def __init__(self, op, context):
+        self.op = op
+        self.context = context
+        self.before, self.after, self.replace = [], [], []
+
+    def __bool__(self):
+        return bool(self.before or self.after or self.replace)
+
+    def __repr__(self):
+        return (f"<OpActions {self.op.name}: {len(self.before)} before, "
+                f"{len(self.after)} after, {len(self.replace)} replace>")
+
+
+class InstrumentationPlan:
+    """Result of the pass: actions per IR op name.
+
+    Attributes:
+        graph: the analysed graph.
+        ops: op name -> :class:`OpActions`, for every analysed op.
+    """
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.ops = {}
+
+    def actions(self):
+        """The ops that carry actions, in graph order."""
+        return [entry for entry in self.ops.values() if entry]
+
+    def __len__(self):
+        return len(self.actions())
+
+
+def run_instrumentation_pass(graph, session, backend, plan=None):
+    """Run ``session``'s analysis routines on the ops of ``graph``.
+
+    Args:
+        graph: an :class:`amanda.ir.Graph` lifted by a frontend.
+        session: the applied tools (:class:`amanda.tool.Session`).
+        backend: a :class:`GraphBackend`.
+        plan: a plan from an earlier run on a smaller version of this graph:
+            ops it analysed are kept, only new ops are analysed.
+
+    Returns:
+        An :class:`InstrumentationPlan`.
+
+    Raises:
+        ToolError: an analysis routine failed; the message names the tool,
+            the routine, the op and the namespace.
+    """
+    old = plan.ops if plan is not None else {}
+    result = InstrumentationPlan(graph)
+    backward = []
+    for op in graph.ops:
+        if op.name in old:
+            result.ops[op.name] = old[op.name]
+        elif op.attrs.get("backward"):
+            backward.append(op)
+        else:
+            result.ops[op.name] = _analyse_forward(op, graph, session, backend)
+    for op in backward:
+        result.ops[op.name] = _analyse_backward(op, graph, session, backend, result)
+    return result
+
+
+def _analyse_forward(op, graph, session, backend):
+    context = OpContext(backend.namespace, backend.raw_op(op), op.name, op.type)
+    context._ir_op, context._graph = op, graph
+    entry = OpActions(op, context)
+    if session.routines[FORWARD_BEFORE]:
+        context._inputs = backend.values(op.inputs)
+        session.analyse(FORWARD_BEFORE, context)
+    if session.routines[FORWARD_AFTER]:
+        context._inputs = backend.values(op.inputs)
+        context._outputs = backend.values(op.outputs)
+        session.analyse(FORWARD_AFTER, context)
+    _absorb(entry, context)
+    return entry
+
+
+def _analyse_backward(op, graph, session, backend, plan):
+    owner_name = op.attrs.get("forward_op")
+    owner = plan.ops.get(owner_name) if owner_name else None
+    if owner is not None:
+        forward_op, parent = owner.op, owner.context
+        context = OpContext(backend.namespace, backend.raw_op(forward_op), forward_op.name,
+                            forward_op.type, backward_op=backend.raw_op(op),
+                            backward_op_id=op.name, parent=parent)
+    else:
+        context = OpContext(backend.namespace, None, None, None,
+                            backward_op=backend.raw_op(op), backward_op_id=op.name)
+    context._ir_op, context._graph = op, graph
+    entry = OpActions(op, context)
+    if session.routines[BACKWARD_BEFORE]:
+        context._grad_outputs = backend.values(op.inputs)
+        session.analyse(BACKWARD_BEFORE, context)
+    if session.routines[BACKWARD_AFTER]:
+        context._grad_outputs = backend.values(op.inputs)
+        context._grad_inputs = backend.values(op.outputs)
+        session.analyse(BACKWARD_AFTER, context)
+    _absorb(entry, context)
+    return entry
+
+
+def _absorb(entry, context):
+    for action in context._actions:
+        if action.kind in _BEFORE:
+            entry.before.append(action)
+        elif action.kind in _AFTER:
+            entry.after.append(action)
+        else:
+            entry.replace.append(action)
+    context._actions = []
+    # Tensors of the analysis are not kept: contexts live as long as the plan.
+    context._inputs = context._outputs = None
+    context._grad_outputs = context._grad_inputs = None
+    if len(entry.replace) > 1:
+        last = entry.replace[-1]
+        raise ToolError("more than one routine replaces this op", tool=last.tool,
+                        routine=last.func, op_name=entry.op.type, op_id=entry.op.name,
+                        namespace=context.namespace)

@@ -1,0 +1,132 @@
+"""Lower recorded actions into the IR: one ``amanda.routine`` op per action.
+
+The result is an ordinary IR graph: each action becomes an op of type
+:data:`ROUTINE` that consumes the selected tensors and produces their
+replacements, and the IR's use-def is rewired so the instrumented program reads
+them. Backend runtimes then only have to realise ``amanda.routine`` ops (as
+callbacks, or natively for portable routines); everything else in the graph is
+the backend's own program.
+
+Rewiring follows what eager PyTorch does, so one tool means the same on every
+backend:
+
+* before an op: the op and its own backward ops read the replacements (in
+  eager, the op's autograd nodes saved the values it was called with);
+* after an op: every other consumer reads the replacements, except the op's own
+  backward ops (its autograd nodes saved its real outputs);
+* before/after a backward op: its gradient inputs / outputs are replaced;
+* replacing an op: consumers of its outputs read the routine's results.
+"""
+
+from __future__ import annotations
+
+from amanda.context import AFTER_OP, BEFORE_OP, REPLACE_OP
+from amanda.errors import ToolError, describe
+
+ROUTINE = "amanda.routine"
+
+
+def lower_actions(graph, plan):
+    """Return a copy of ``graph`` with every action of ``plan`` as a routine op.
+
+    Args:
+        graph: the analysed :class:`amanda.ir.Graph` (left untouched).
+        plan: its :class:`~amanda.passes.instrumentation.InstrumentationPlan`.
+
+    Returns:
+        A new graph. Routine ops carry ``attrs``: ``kind`` (the action kind),
+        ``routine`` and ``tool`` (names), ``target`` (the instrumented op's
+        name) and ``action`` (the :class:`~amanda.context.Action` itself, kept
+        in memory only).
+    """
+    result = graph.copy()
+    owned = _backward_ops_by_owner(result)
+    for entry in plan.actions():
+        op = _find(result, entry.op.name)
+        for action in entry.replace:
+            _lower_replace(result, op, action, owned)
+        for action in entry.before:
+            _lower_before(result, op, action, owned)
+        for action in entry.after:
+            _lower_after(result, op, action, owned)
+    return result
+
+
+def _find(graph, name):
+    for op in graph.ops:
+        if op.name == name:
+            return op
+    raise KeyError(name)
+
+
+def _backward_ops_by_owner(graph):
+    owned = {}
+    for op in graph.ops:
+        owner = op.attrs.get("forward_op") if op.attrs.get("backward") else None
+        if owner:
+            owned.setdefault(owner, set()).add(op)
+    return owned
+
+
+def _selected(values, action, op):
+    if action.positions is None:
+        return list(range(len(values)))
+    for p in action.positions:
+        if p >= len(values):
+            raise ToolError(f"{action.kind} selects position {p} but the op has "
+                            f"{len(values)} such tensors", tool=action.tool,
+                            routine=action.func, op_name=op.type, op_id=op.name,
+                            namespace=op.namespace or None)
+    return list(action.positions)
+
+
+def _routine_op(graph, action, target, inputs, num_outputs):
+    return graph.create_op(ROUTINE, inputs, num_outputs=num_outputs, attrs={
+        "kind": action.kind, "routine": describe(action.func),
+        "tool": describe(action.tool) if action.tool is not None else None,
+        "target": target.name, "action": action})
+
+
+def _lower_before(graph, op, action, owned):
+    positions = _selected(op.inputs, action, op)
+    originals = [op.inputs[p] for p in positions]
+    with graph.inserting_before(op):
+        routine = _routine_op(graph, action, op, originals, len(originals))
+    # the op reads the replacements at the selected positions only (one tensor
+    # may feed several); its backward ops wherever they read the originals
+    for p, new in zip(positions, routine.outputs):
+        op.replace_input_with(p, new)
+    readers = owned.get(op.name, set()) if action.kind == BEFORE_OP else set()
+    for original, new in zip(originals, routine.outputs):
+        _rewire(original, new, lambda user: user in readers)
+
+
+def _lower_after(graph, op, action, owned):
+    positions = _selected(op.outputs, action, op)
+    originals = [op.outputs[p] for p in positions]
+    with graph.inserting_after(op):
+        routine = _routine_op(graph, action, op, originals, len(originals))
+    keep = owned.get(op.name, set()) if action.kind == AFTER_OP else set()
+    for original, new in zip(originals, routine.outputs):
+        _rewire(original, new, lambda user: user is not routine and user not in keep)
+        if original.is_graph_output:
+            graph.set_outputs([new if t is original else t for t in graph.outputs])
+
+
+def _lower_replace(graph, op, action, owned):
+    positions = _selected(op.inputs, action, op)
+    inputs = [op.inputs[p] for p in positions]
+    with graph.inserting_after(op):
+        routine = _routine_op(graph, action, op, inputs, len(op.outputs))
+    keep = owned.get(op.name, set()) if action.kind == REPLACE_OP else set()
+    for original, new in zip(op.outputs, routine.outputs):
+        _rewire(original, new, lambda user: user is not routine and user not in keep)
+        if original.is_graph_output:
+            graph.set_outputs([new if t is original else t for t in graph.outputs])
+
+
+def _rewire(original, new, accept):
+    for user, position in list(original.uses):
+        if accept(user):
+            user.replace_input_with(position, new)
+
