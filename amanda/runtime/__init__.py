@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-# framework module name -> module of its eager driver (exposes ``DRIVER``)
+# framework module name -> module of its driver (exposes ``DRIVER`` with
+# enter(session) / exit(session, restored)); graph-mode drivers included.
 EAGER_DRIVERS = {
     "torch": "amanda.runtime.pytorch",
+    "tensorflow": "amanda.runtime.tensorflow",
 }
 
 

@@ -1,0 +1,482 @@
+"""TensorFlow graph-mode driver: ``Session.run`` and ``tf.function`` calls
+execute an instrumented copy.
+
+Inside ``amanda.apply``, ``Session.run`` and concrete functions' ``_call_flat``
+are intercepted (the two patches, removed when the outermost scope exits). The user's graph is lifted into the IR, the
+tools' analysis routines run over it (the shared instrumentation pass), the
+recorded actions are lowered to ``amanda.routine`` IR ops, and those are
+realised in a *copy* of the user's graph, which a shadow session runs. The
+user's graph is never modified: same operations, same collections.
+
+* Analysis runs while the graph is rewritten; instrumentation routines run
+  every time the op executes, as ``tf.numpy_function`` callbacks receiving
+  NumPy arrays.
+* Rewrites are cached per graph version; when the user's graph grows, the
+  pass reuses the previous plan (only new ops are analysed) and only new
+  operations are imported into the copy.
+* Variables: the shadow session receives the user session's variable values
+  at the first instrumented run of each ``apply`` scope and hands them back
+  when the scope ends, through the user graph's own read and initializer
+  ops (fed), so checkpoints and later plain runs see the trained values and
+  no instrumentation state.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.client import session as _tf_session
+from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
+
+from amanda import controls
+from amanda.errors import BackendError
+from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
+from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.runtime.routines import call_routine
+
+NAMESPACE = f"tensorflow/{tf.__version__}/graph"
+_original_run = _tf_session.BaseSession.run
+_original_call_flat = _concrete.ConcreteFunction._call_flat
+
+
+class TFGraphBackend(GraphBackend):
+    """Contexts see the user's graph: ``get_op()`` is its ``tf.Operation``,
+    ``get_inputs()`` its symbolic ``tf.Tensor`` objects."""
+
+    namespace = NAMESPACE
+
+    def __init__(self, tf_graph):
+        self.tf_graph = tf_graph
+
+    def raw_op(self, ir_op):
+        return self.tf_graph.get_operation_by_name(ir_op.name)
+
+    def values(self, ir_tensors):
+        return [self._tensor(t) for t in ir_tensors]
+
+    def _tensor(self, ir_tensor):
+        if ir_tensor.producer is None:
+            return None
+        return self.tf_graph.get_operation_by_name(ir_tensor.producer.name).outputs[ir_tensor.index]
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _callback(action, where, dtypes):
+    """The Python function a routine op runs: NumPy in, NumPy out."""
+
+    def run(*arrays):
+        arrays = list(arrays)
+        result = call_routine(action, arrays, _is_array, where)
+        if result is None:
+            return arrays
+        return [a if r is None else np.asarray(r, dtype=d)
+                for a, r, d in zip(arrays, result, dtypes)]
+
+    return run
+
+
+class _GraphRewrite:
+    """An instrumented copy of a user graph, kept up to date as it grows.
+
+    Args:
+        user_graph: the user's graph (never modified).
+        amanda_session: the applied tools.
+        copy: an empty graph to build the copy in (a ``tf.Graph`` or the
+            FuncGraph of a wrapped function).
+    """
+
+    def __init__(self, user_graph, amanda_session, copy):
+        self.user_graph = user_graph
+        self.amanda_session = amanda_session
+        self.copy = copy
+        self.version = None
+        self.plan = None
+        self.realised = {}          # Action -> its tensors in the copy
+        self.final = {}             # user tensor name -> what consumers read in the copy
+
+    def refresh(self):
+        """Bring the copy up to date with the user's graph.
+
+        Returns:
+            Whether anything was rewritten (False on a cache hit).
+        """
+        version = self.user_graph.version
+        if version == self.version:
+            return False
+        from amanda.frontends.tensorflow import lift_graph
+        ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
+        state = controls.state
+        saved, state.disabled = state.disabled, True
+        try:
+            self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
+                                                 TFGraphBackend(self.user_graph), self.plan)
+        finally:
+            state.disabled = saved
+        lowered = lower_actions(ir_graph, self.plan)
+        self._import_new_ops()
+        self._realise(lowered)
+        self.version = version
+        return True
+
+    def tensor(self, name):
+        """The tensor of the copy that stands for the user's tensor ``name``."""
+        final = self.final.get(name)
+        return final if final is not None else self.copy.get_tensor_by_name(name)
+
+    def operation(self, name):
+        return self.copy.get_operation_by_name(name)
+
+    def _import_new_ops(self):
+        graph_def = self.user_graph.as_graph_def()
+        present = {op.name for op in self.copy.get_operations()}
+        new_nodes = [node for node in graph_def.node if node.name not in present]
+        if not new_nodes:
+            return
+        new_names = {node.name for node in new_nodes}
+        input_map = {}
+        for node in new_nodes:
+            for name in node.input:
+                op_name = name.lstrip("^").split(":")[0]
+                if op_name not in new_names:
+                    input_map[name] = self._copy_element(name)
+        part = tf.compat.v1.GraphDef()
+        part.versions.CopyFrom(graph_def.versions)
+        part.library.CopyFrom(graph_def.library)
+        part.node.extend(new_nodes)
+        with self.copy.as_default():
+            tf.import_graph_def(part, input_map=input_map, name="")
+
+    def _copy_element(self, name):
+        if name.startswith("^"):
+            return self.copy.get_operation_by_name(name[1:])
+        op_name, _, index = name.partition(":")
+        return self.copy.get_operation_by_name(op_name).outputs[int(index or 0)]
+
+    def _realise(self, lowered):
+        made = {}  # IR routine op -> its tensors in the copy
+        with self.copy.as_default():
+            for op in lowered.ops:
+                if op.type == ROUTINE:
+                    made[op] = self._routine(op, made)
+                else:
+                    self._rewire(op, made)
+
+    def _tensor_in_copy(self, ir_tensor, made):
+        producer = ir_tensor.producer
+        if producer is None:
+            raise BackendError(f"tensor {ir_tensor.name!r} has no producer in the TF graph")
+        if producer.type == ROUTINE:
+            return made[producer][ir_tensor.index]
+        return self.copy.get_operation_by_name(producer.name).outputs[ir_tensor.index]
+
+    def _routine(self, op, made):
+        action = op.attrs["action"]
+        tensors = self.realised.get(action)
+        if tensors is not None:
+            return tensors
+        target = self.copy.get_operation_by_name(op.attrs["target"])
+        where = (target.type, target.name, NAMESPACE)
+        if action.ad:
+            raise BackendError(f"{action.kind} of {where[1]!r}: amanda.ad_enabled() actions "
+                               "cannot be differentiated in TensorFlow graph mode (the "
+                               "gradient ops are already built)")
+        inputs = [self._tensor_in_copy(t, made) for t in op.inputs]
+        outputs_like = target.outputs if op.attrs["kind"].startswith("replace") else inputs
+        dtypes = [t.dtype for t in outputs_like]
+        func = _callback(action, where, [d.as_numpy_dtype for d in dtypes])
+        tensors = tf.numpy_function(func, inputs, dtypes, stateful=True,
+                                    name=f"amanda/{action.kind}")
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        for new, like in zip(tensors, outputs_like):
+            new.set_shape(like.shape)
+        self.realised[action] = tensors
+        self._record_final(op, tensors)
+        return tensors
+
+    def _record_final(self, op, tensors):
+        kind = op.attrs["kind"]
+        if kind.startswith("replace"):
+            target = self.copy.get_operation_by_name(op.attrs["target"])
+            for original, new in zip(target.outputs, tensors):
+                self.final[original.name] = new
+        elif kind.startswith("after"):
+            for ir_input, new in zip(op.inputs, tensors):
+                self.final[_origin(ir_input)] = new
+
+    def _rewire(self, op, made):
+        tf_op = None
+        for position, ir_input in enumerate(op.inputs):
+            if ir_input.producer is None or ir_input.producer.type != ROUTINE:
+                continue
+            tf_op = tf_op or self.copy.get_operation_by_name(op.name)
+            new = made[ir_input.producer][ir_input.index]
+            if tf_op.inputs[position] is not new:
+                tf_op._update_input(position, new)
+
+
+def _origin(ir_tensor):
+    """Name of the user tensor behind a chain of routine ops."""
+    while ir_tensor.producer.type == ROUTINE:
+        ir_tensor = ir_tensor.producer.inputs[ir_tensor.index]
+    return f"{ir_tensor.producer.name}:{ir_tensor.index}"
+
+
+class _Shadow:
+    """The instrumented copy of one user session's graph, and its session."""
+
+    def __init__(self, user_session, session):
+        self.user_session = user_session
+        self.user_graph = user_session.graph
+        self.rewrite = _GraphRewrite(self.user_graph, session, tf.Graph())
+        self.copy = self.rewrite.copy
+        self.session = None
+        self.sync = _VariableSync(self)
+
+    def refresh(self):
+        self.rewrite.refresh()
+        if self.session is None:
+            self.session = tf.compat.v1.Session(graph=self.copy,
+                                                config=getattr(self.user_session, "_config", None))
+            self.session._amanda_shadow = True
+
+    def run(self, fetches, feed_dict, options, run_metadata):
+        mapped = _map_structure(fetches, self._fetch)
+        feeds = None
+        if feed_dict:
+            feeds = {self._feed_key(k): v for k, v in feed_dict.items()}
+        return _original_run(self.session, mapped, feeds, options, run_metadata)
+
+    def _fetch(self, element):
+        if isinstance(element, str):
+            element = self.user_graph.as_graph_element(element)
+        if isinstance(element, tf.Tensor):
+            return self.rewrite.tensor(element.name)
+        if isinstance(element, tf.Operation):
+            return self.rewrite.operation(element.name)
+        if hasattr(element, "name") and hasattr(element, "graph"):  # variables
+            return self._fetch(self.user_graph.as_graph_element(element.name))
+        raise BackendError(f"amanda cannot map the fetch {element!r} to the instrumented graph")
+
+    def _feed_key(self, key):
+        if isinstance(key, str):
+            key = self.user_graph.as_graph_element(key)
+        if isinstance(key, tf.Tensor):
+            return self.copy.get_tensor_by_name(key.name)
+        raise BackendError(f"amanda cannot map the feed key {key!r} to the instrumented graph")
+
+
+def _map_structure(value, leaf):
+    if isinstance(value, (list, tuple)):
+        mapped = [_map_structure(v, leaf) for v in value]
+        if hasattr(value, "_fields"):
+            return type(value)(*mapped)
+        return type(value)(mapped)
+    if isinstance(value, dict):
+        return {k: _map_structure(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
+class _VariableSync:
+    """Copies variable values between a user session and its shadow using only
+    the user graph's existing read and initializer ops (fed)."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+        self._copy_ops = None
+
+    def _variables(self):
+        """(name, read tensor in user graph, assign op in user graph) per variable."""
+        graph = self.shadow.user_graph
+        found = []
+        for op in graph.get_operations():
+            if op.type == "VarHandleOp":
+                read = next((c.outputs[0] for c in op.outputs[0].consumers()
+                             if c.type == "ReadVariableOp"), None)
+                assign = next((c for c in op.outputs[0].consumers()
+                               if c.type == "AssignVariableOp"
+                               and graph.is_feedable(c.inputs[1])), None)
+            elif op.type in ("VariableV2", "Variable"):
+                read = op.outputs[0]
+                assign = next((c for c in op.outputs[0].consumers()
+                               if c.type == "Assign" and graph.is_feedable(c.inputs[1])), None)
+            else:
+                continue
+            found.append((op.name, read, assign))
+        return found
+
+    def _read(self, run, session, tensors):
+        """Values of the initialised variables: {index: value}."""
+        try:
+            return dict(enumerate(run(session, list(tensors))))
+        except tf.errors.FailedPreconditionError:
+            values = {}
+            for i, tensor in enumerate(tensors):
+                try:
+                    values[i] = run(session, tensor)
+                except tf.errors.FailedPreconditionError:
+                    pass
+            return values
+
+    def _copy_side(self):
+        """Placeholders and assign ops in the copy (ours to extend)."""
+        if self._copy_ops is None:
+            copy, ops = self.shadow.copy, {}
+            with copy.as_default(), tf.name_scope("amanda_sync"):
+                for name, read, _ in self._variables():
+                    var = copy.get_operation_by_name(name)
+                    value = tf.compat.v1.placeholder(read.dtype, name=None)
+                    if var.type == "VarHandleOp":
+                        assign = tf.raw_ops.AssignVariableOp(resource=var.outputs[0], value=value)
+                        reader = tf.raw_ops.ReadVariableOp(resource=var.outputs[0], dtype=read.dtype)
+                    else:
+                        assign = tf.compat.v1.assign(var.outputs[0], value).op
+                        reader = tf.identity(var.outputs[0])
+                    ops[name] = (value, assign, reader)
+            self._copy_ops = ops
+        return self._copy_ops
+
+    def into_shadow(self):
+        variables = self._variables()
+        values = self._read(_original_run, self.shadow.user_session, [r for _, r, _ in variables])
+        if not values:
+            return
+        side = self._copy_side()
+        assigns, feeds = [], {}
+        for i, value in values.items():
+            placeholder, assign, _ = side[variables[i][0]]
+            assigns.append(assign)
+            feeds[placeholder] = value
+        _original_run(self.shadow.session, assigns, feeds)
+
+    def out_of_shadow(self):
+        if getattr(self.shadow.user_session, "_closed", False):
+            return  # the user closed it inside the scope: its state is gone anyway
+        variables = self._variables()
+        side = self._copy_side()
+        values = self._read(_original_run, self.shadow.session,
+                            [side[name][2] for name, _, _ in variables])
+        assigns, feeds, missing = [], {}, []
+        for i, value in values.items():
+            name, _, assign = variables[i]
+            if assign is None:
+                missing.append(name)
+                continue
+            assigns.append(assign)
+            feeds[assign.inputs[1]] = value
+        if assigns:
+            _original_run(self.shadow.user_session, assigns, feeds)
+        if missing:
+            warnings.warn("amanda could not hand these variables back to the user session "
+                          f"(no feedable initializer): {', '.join(missing)}")
+
+
+class _FunctionCopy:
+    """An instrumented copy of a concrete function's graph, callable with the
+    same flat inputs (captured variables are fed by handle: same state)."""
+
+    def __init__(self, function, session):
+        self.function = function
+        self.wrapped = tf.compat.v1.wrap_function(lambda: None, [])
+        self.rewrite = _GraphRewrite(function.graph, session, self.wrapped.graph)
+        self.pruned = None
+
+    def call(self, flat_inputs):
+        if self.rewrite.refresh() or self.pruned is None:
+            graph = self.function.graph
+            feeds = [self.rewrite.copy.get_tensor_by_name(t.name) for t in graph.inputs]
+            fetches = [self.rewrite.tensor(t.name) for t in graph.outputs]
+            self.pruned = self.wrapped.prune(feeds, fetches)
+            self.pruned._amanda_copy = True
+        return self.pruned(*flat_inputs)
+
+
+def _patched_call_flat(self, tensor_inputs, captured_inputs):
+    sessions = controls.state.sessions
+    if (not sessions or controls.state.disabled or getattr(_tls, "used", None) is None
+            or getattr(self, "_amanda_copy", False) or not tf.executing_eagerly()):
+        return _original_call_flat(self, tensor_inputs, captured_inputs)
+    session = sessions[-1]
+    copies = session.caches.get("tensorflow_functions")
+    if copies is None:
+        copies = session.caches["tensorflow_functions"] = weakref.WeakKeyDictionary()
+    copy = copies.get(self)
+    if copy is None:
+        copy = copies[self] = _FunctionCopy(self, session)
+    flat = copy.call(list(tensor_inputs) + list(captured_inputs))
+    return self.function_type.pack_output(flat)
+
+
+# -- the driver -------------------------------------------------------------------
+
+_tls = threading.local()
+
+
+def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+    sessions = controls.state.sessions
+    used = getattr(_tls, "used", None)
+    if not sessions or controls.state.disabled or used is None or \
+            getattr(self, "_amanda_shadow", False):
+        return _original_run(self, fetches, feed_dict, options, run_metadata)
+    session = sessions[-1]
+    shadows = session.caches.get("tensorflow")
+    if shadows is None:
+        shadows = session.caches["tensorflow"] = weakref.WeakKeyDictionary()
+    shadow = shadows.get(self)
+    if shadow is None:
+        shadow = shadows[self] = _Shadow(self, session)
+    shadow.refresh()
+    if shadow not in used:
+        # the user session may have changed since the last scope: take its state
+        shadow.sync.into_shadow()
+        used.append(shadow)
+    return shadow.run(fetches, feed_dict, options, run_metadata)
+
+
+class TensorFlowGraphDriver:
+    """Intercepts ``Session.run`` while any thread is inside ``apply``.
+
+    Shadows (instrumented copies and their sessions) are cached per user
+    session in the amanda session, so later scopes reuse the rewrite; variable
+    values move into a shadow at its first run in a scope and back out when
+    the outermost scope ends.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+
+    def enter(self, session):
+        depth = getattr(_tls, "depth", 0)
+        _tls.depth = depth + 1
+        if depth == 0:
+            _tls.used = []
+            with self._lock:
+                self._users += 1
+                if self._users == 1:
+                    _tf_session.BaseSession.run = _patched_run
+                    _concrete.ConcreteFunction._call_flat = _patched_call_flat
+
+    def exit(self, session, restored):
+        _tls.depth -= 1
+        if _tls.depth:
+            return
+        used, _tls.used = _tls.used, None
+        try:
+            for shadow in used:
+                shadow.sync.out_of_shadow()
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    _tf_session.BaseSession.run = _original_run
+                    _concrete.ConcreteFunction._call_flat = _original_call_flat
+
+
+DRIVER = TensorFlowGraphDriver()
