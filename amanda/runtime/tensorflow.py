@@ -68,16 +68,34 @@ def _is_array(value):
     return isinstance(value, (np.ndarray, np.generic))
 
 
-def _callback(action, where, dtypes):
-    """The Python function a routine op runs: NumPy in, NumPy out."""
+def _crosses_to_python(dtype):
+    """Whether tensors of ``dtype`` can be handed to a Python routine."""
+    return dtype not in (tf.resource, tf.variant, tf.string)
+
+
+def _callback(action, where, count, hosted, dtypes, replacing):
+    """The function a routine op runs: NumPy arrays in (None where a tensor
+    cannot leave TensorFlow, e.g. a resource handle), NumPy arrays out."""
 
     def run(*arrays):
-        arrays = list(arrays)
-        result = call_routine(action, arrays, _is_array, where)
+        if replacing:
+            values = list(arrays)
+        else:
+            values = [None] * count
+            for i, array in zip(hosted, arrays):
+                values[i] = array
+        result = call_routine(action, values, _is_array, where)
+        if replacing:
+            if result is None or len(result) != len(dtypes):
+                raise BackendError(f"replace routine of {where[1]!r} must return "
+                                   f"{len(dtypes)} values")
+            return [np.asarray(r, dtype=d) for r, d in zip(result, dtypes)]
+        if not hosted:
+            return [np.int32(0)]
         if result is None:
-            return arrays
-        return [a if r is None else np.asarray(r, dtype=d)
-                for a, r, d in zip(arrays, result, dtypes)]
+            return list(arrays)
+        return [array if result[i] is None else np.asarray(result[i], dtype=d)
+                for i, array, d in zip(hosted, arrays, dtypes)]
 
     return run
 
@@ -188,17 +206,47 @@ class _GraphRewrite:
                                "cannot be differentiated in TensorFlow graph mode (the "
                                "gradient ops are already built)")
         inputs = [self._tensor_in_copy(t, made) for t in op.inputs]
-        outputs_like = target.outputs if op.attrs["kind"].startswith("replace") else inputs
-        dtypes = [t.dtype for t in outputs_like]
-        func = _callback(action, where, [d.as_numpy_dtype for d in dtypes])
-        tensors = tf.numpy_function(func, inputs, dtypes, stateful=True,
+        replacing = op.attrs["kind"].startswith("replace")
+        like = list(target.outputs) if replacing else inputs
+        hosted = [i for i, t in enumerate(like) if _crosses_to_python(t.dtype)]
+        if replacing and (len(hosted) != len(like) or len(inputs) != len(
+                [t for t in inputs if _crosses_to_python(t.dtype)])):
+            raise BackendError(f"replace routine of {where[1]!r}: TensorFlow can only host "
+                               "routines over numeric tensors, not resource handles")
+        func = _callback(action, where, len(inputs), hosted,
+                         [like[i].dtype.as_numpy_dtype for i in hosted], replacing)
+        if replacing:
+            feed, dtypes = inputs, [t.dtype for t in like]
+        else:
+            feed, dtypes = [inputs[i] for i in hosted], [like[i].dtype for i in hosted]
+        if not feed and not dtypes:   # nothing to pass: a bare callback ordered by control
+            feed, dtypes = [tf.constant(0)], [tf.int32]
+        results = tf.numpy_function(func, feed, dtypes, stateful=True,
                                     name=f"amanda/{action.kind}")
-        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-        for new, like in zip(tensors, outputs_like):
-            new.set_shape(like.shape)
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
+        if not hosted and not replacing:
+            self._order(op.attrs["kind"], target, results[0].op)
+        tensors = list(like) if not replacing else results
+        for i, new in zip(hosted, results):
+            new.set_shape(like[i].shape)
+            tensors[i] = new
         self.realised[action] = tensors
         self._record_final(op, tensors)
         return tensors
+
+    def _order(self, kind, target, routine):
+        """Make a routine that passes no tensor run before/after its op."""
+        if kind.startswith("before"):
+            target._add_control_input(routine)
+            return
+        routine._add_control_input(target)
+        for output in target.outputs:
+            for consumer in output.consumers():
+                if consumer is not routine:
+                    consumer._add_control_input(routine)
+        for op in self.copy.get_operations():
+            if target in op.control_inputs and op is not routine:
+                op._add_control_input(routine)
 
     def _record_final(self, op, tensors):
         kind = op.attrs["kind"]

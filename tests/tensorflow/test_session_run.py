@@ -178,3 +178,18 @@ def test_tf_function_calls_run_the_instrumented_function():
     before = tool.count
     step(tf.constant(X))     # outside apply: vanilla, no routine runs
     assert tool.count == before
+
+
+def test_identity_on_every_op_is_bit_exact_and_runs_everywhere():
+    from amanda.tools.identity import IdentityTool
+    graph, t = dense_graph()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(t["init"])
+        vanilla = sess.run([t["y"], t["grads"]], {t["x"]: X})
+        tool = IdentityTool()
+        with amanda.apply(tool):
+            for _ in range(2):
+                instrumented = sess.run([t["y"], t["grads"]], {t["x"]: X})
+                np.testing.assert_array_equal(instrumented[0], vanilla[0])
+                np.testing.assert_array_equal(instrumented[1][0], vanilla[1][0])
+    assert all(count > 0 for count in tool.calls.values()), tool.calls
