@@ -21,7 +21,8 @@ def _tiny_inplace():
     return model, torch.randn(3, 4)
 
 
-TINY = eager.ModelSpec("tiny", _tiny, repeats=2, targets={"analysis-only": 100.0})
+TINY = eager.ModelSpec("tiny", _tiny, repeats=2, targets={"analysis-only": 100.0},
+                       steps_per_run=2)
 TINY_INPLACE = eager.ModelSpec("tiny-inplace", _tiny_inplace, repeats=1,
                                targets={"identity": 100.0})
 
@@ -40,7 +41,7 @@ def test_benchmark_model_structure():
         assert {"per_op_us", "spread", "min_s", "max_s"} <= set(stats)
     assert result["configs"]["vanilla"]["ratio"] == 1.0
     assert set(result["targets_met"]) == {"analysis-only"}
-    assert "other_processes_cores" in result
+    assert "other_processes_cores" in result and result["steps_per_run"] == 2
 
 
 def test_failing_config_is_reported_not_raised():
