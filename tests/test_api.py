@@ -25,9 +25,13 @@ class Recorder(amanda.Tool):
                 backward=True)
 
 
+ORIGINAL_MODULE_CALL = torch.nn.Module.__call__
+
+
 def backend_is_clean():
     from torch.nn.modules import module
     return (torch._C._len_torch_function_stack() == 0
+            and torch.nn.Module.__call__ is ORIGINAL_MODULE_CALL
             and not module._global_forward_hooks and not module._global_forward_pre_hooks)
 
 

@@ -6,7 +6,7 @@ import torch
 
 import amanda
 from amanda.tools.identity import IdentityTool
-from conftest import build_model, train_step
+from tests.models import build_model, train_step
 
 MODELS = ["cnn", "rnn",
           pytest.param("resnet50", marks=pytest.mark.slow),

@@ -5,7 +5,7 @@ import torch
 
 import amanda
 from amanda.tools.mapping import MappingTool
-from conftest import FunctionalReluNet, build_model, first_output
+from tests.models import FunctionalReluNet, build_model, first_output
 
 
 class CountOPTool(amanda.Tool):

@@ -17,8 +17,9 @@ How it works (the paper's eager "JIT", Sec. 5):
   own many backward ops. Backward points are node pre/post hooks installed on
   those nodes only when something must run there.
 
-Nothing global is left behind: the mode is popped and the two global module
-hooks are removed when the outermost ``apply`` scope exits.
+Nothing global is left behind: the mode is popped and ``nn.Module.__call__``
+(wrapped to track the modules being called) is restored when the outermost
+``apply`` scope exits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import threading
 import weakref
 
 import torch
-from torch.nn.modules import module as _torch_module
 from torch.overrides import TorchFunctionMode
 
 import amanda
@@ -44,6 +44,8 @@ from amanda.runtime.routines import call_routine, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
 
 NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/eager"
+_CONTROLS = controls.state
+_getframe = sys._getframe
 
 _sequence_nr = torch._C._autograd._get_sequence_nr
 _ACCUMULATE = 2 ** 64 - 1  # AccumulateGrad nodes carry the largest sequence number
@@ -81,15 +83,19 @@ def _classify(func):
 
 
 # Code objects of torch and amanda: the calling site of an op is the first
-# frame outside them.
+# frame outside them. Keyed by id(): hashing a code object rehashes its
+# constants on every call, which is slow for large functions; the codes are
+# kept alive here so their ids stay valid.
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, amanda))
 _LIBRARY_CODE = {}
+_SEEN_CODE = []
 
 
 def _is_library_code(code):
-    flag = _LIBRARY_CODE.get(code)
+    flag = _LIBRARY_CODE.get(id(code))
     if flag is None:
-        flag = _LIBRARY_CODE[code] = code.co_filename.startswith(_LIBRARY_DIRS)
+        _SEEN_CODE.append(code)
+        flag = _LIBRARY_CODE[id(code)] = code.co_filename.startswith(_LIBRARY_DIRS)
     return flag
 
 
@@ -277,19 +283,24 @@ def _state():
     return st
 
 
-def _module_pre_hook(module, args):
+def _tracked_module_call(self, *args, **kwargs):
+    """``nn.Module.__call__`` while amanda is applied: keeps the stack of
+    modules being called (cheaper than global module hooks, which force every
+    module call onto PyTorch's slow hook path)."""
     st = getattr(_tls, "state", None)
     if st is None or not st.depth:
-        return
-    if not st.modules:
+        return _module_call(self, *args, **kwargs)
+    modules = st.modules
+    if not modules:
         st.new_step()  # a root module call starts a step
-    st.modules.append(weakref.ref(module))
+    modules.append(weakref.ref(self))
+    try:
+        return _module_call(self, *args, **kwargs)
+    finally:
+        modules.pop()
 
 
-def _module_post_hook(module, args, output):
-    st = getattr(_tls, "state", None)
-    if st is not None and st.depth and st.modules:
-        st.modules.pop()
+_module_call = torch.nn.Module.__call__
 
 
 def _module_path(refs):
@@ -332,19 +343,21 @@ class _Mode(TorchFunctionMode):
         name = _FUNCS.get(func, False)
         if name is False:
             name = _classify(func)
-        if name is None or controls.state.disabled:
+        if name is None or _CONTROLS.disabled:
             return func(*args, **kwargs)
         st = self.st
-        frame = sys._getframe(1)
-        while True:  # up to the first frame outside torch and amanda
-            flag = _LIBRARY_CODE.get(frame.f_code)
+        frame = _getframe(1)
+        flag = _LIBRARY_CODE.get(id(frame.f_code))
+        while flag or flag is None:  # up to the first frame outside torch and amanda
             if flag is None:
                 flag = _is_library_code(frame.f_code)
-            if not flag or frame.f_back is None:
+                continue
+            if frame.f_back is None:
                 break
             frame = frame.f_back
+            flag = _LIBRARY_CODE.get(id(frame.f_code))
         modules = st.modules
-        key = (modules[-1] if modules else None, frame.f_code, frame.f_lasti, func)
+        key = (modules[-1] if modules else None, id(frame.f_code), frame.f_lasti, func)
         counts = st.counts
         n = counts.get(key, 0)
         if not modules:
@@ -358,7 +371,7 @@ class _Mode(TorchFunctionMode):
         record = cache.records.get((key, n))
         if record is None:
             record = _new_record(st, cache, key, n, name, func, frame)
-        if record.fast and controls.state.cache and cache.trace is None:
+        if record.fast and cache.trace is None and _CONTROLS.cache:
             return func(*args, **kwargs)
         return _run_op(cache, record, func, args, kwargs)
 
@@ -692,7 +705,6 @@ class TorchEagerDriver:
     def __init__(self):
         self._lock = threading.Lock()
         self._users = 0
-        self._handles = []
 
     def enter(self, session):
         global _STRAIGHT_THROUGH_NODE
@@ -734,22 +746,18 @@ class TorchEagerDriver:
             st.cache = restored.caches["pytorch"]
 
     def _add_hooks(self):
+        global _module_call
         with self._lock:
             self._users += 1
             if self._users == 1:
-                self._handles = [
-                    _torch_module.register_module_forward_pre_hook(_module_pre_hook),
-                    _torch_module.register_module_forward_hook(_module_post_hook,
-                                                               always_call=True),
-                ]
+                _module_call = torch.nn.Module.__call__
+                torch.nn.Module.__call__ = _tracked_module_call
 
     def _remove_hooks(self):
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
+                torch.nn.Module.__call__ = _module_call
 
 
 DRIVER = TorchEagerDriver()
