@@ -32,6 +32,7 @@ def backend_is_clean():
     from torch.nn.modules import module
     return (torch._C._len_torch_function_stack() == 0
             and torch.nn.Module.__call__ is ORIGINAL_MODULE_CALL
+            and torch._C._len_torch_function_stack() == 0
             and not module._global_forward_hooks and not module._global_forward_pre_hooks)
 
 
@@ -521,3 +522,39 @@ def test_backward_hooks_are_inert_after_apply_exits():
     y.backward()   # outside apply: nothing runs
     assert calls == []
     assert torch.equal(x.grad, torch.ones(2).exp())
+
+
+# -- settling: ops without actions run at vanilla speed --------------------------------------
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.use_b = False
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        if self.use_b:
+            x = torch.tanh(self.b(x))
+        return x
+
+
+def test_settled_steps_run_vanilla_and_new_paths_are_still_analysed():
+    model, tool = Branchy(), Recorder()
+    modes_inside = []
+    model.a.register_forward_hook(
+        lambda *a: modes_inside.append(torch._C._len_torch_function_stack()))
+    x = torch.rand(2, 4)
+    with amanda.apply(tool):
+        for _ in range(4):
+            model(x).sum().backward()
+        model.use_b = True
+        model(x).sum().backward()
+        with amanda.cache_disabled():
+            model(x)
+    # the first two steps intercept; once a clean step was seen, the mode is off
+    assert modes_inside[:2] == [1, 1] and modes_inside[2:5] == [0, 0, 0]
+    names = [n for n, _ in tool.seen]
+    # the branch taken later was analysed: its linear and tanh are new ops
+    assert names.count("tanh") == 2 and names.count("linear") == 2 + 2
+    assert backend_is_clean()

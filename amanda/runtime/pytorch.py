@@ -17,8 +17,8 @@ How it works (the paper's eager "JIT", Sec. 5):
   own many backward ops. Backward points are node pre/post hooks installed on
   those nodes only when something must run there.
 
-Nothing global is left behind: the mode is popped and ``nn.Module.__call__``
-(wrapped to track the modules being called) is restored when the outermost
+Nothing global is left behind: the mode is popped and the two global module
+hooks (which track the modules being called) are removed when the outermost
 ``apply`` scope exits.
 """
 
@@ -33,6 +33,7 @@ import threading
 import weakref
 
 import torch
+from torch.nn.modules import module as _torch_module
 from torch.overrides import TorchFunctionMode
 
 import amanda
@@ -250,6 +251,7 @@ class _Cache:
         self.session = session
         self.records = {}
         self.ids = {}          # op id -> site key, to keep ids distinct
+        self.settled_sequence = None  # module calls of a step with nothing to do
         self.trace = None
         if session.requires_graph:
             from amanda.frontends.pytorch import EagerTrace
@@ -260,6 +262,17 @@ class _Cache:
 # -- per-thread state ----------------------------------------------------------
 
 class _ThreadState:
+    """Per-thread driver state.
+
+    *Settling*: once a whole step (root module call to root module call) ran
+    with every op on the short path — analysed, no actions, no pending
+    backward analysis — the mode is popped and ops run at vanilla speed, as
+    the paper's action cache switches uninstrumented ops back to vanilla.
+    Module calls are still tracked: the first one that departs from the
+    settled step's sequence (a new code path), a disabled cache or another
+    tool set pushes the mode back at once.
+    """
+
     def __init__(self):
         self.depth = 0
         self.cache = None
@@ -267,10 +280,63 @@ class _ThreadState:
         self.modules = []       # weak references to the modules being called
         self.counts = {}        # site key -> occurrences in this step
         self.first_key = None   # first op outside modules in this step
+        self.settled = False
+        self.clean = False      # every op of this step took the short path
+        self.sequence = []      # module calls of this step (while not settled)
+        self.expected = []      # module calls of the settled step
+        self.position = 0
 
     def new_step(self):
         self.counts.clear()
         self.first_key = None
+        if self.settled:
+            self.position = 0
+            return
+        self.remember_clean_step()
+        cache = self.cache
+        if cache.settled_sequence is not None and cache.trace is None and _CONTROLS.cache:
+            self.expected = cache.settled_sequence
+            self.position = 0
+            self.settle()
+        self.sequence = []
+        self.clean = True
+
+    def remember_clean_step(self):
+        """A step that ran entirely on the short path becomes the session's
+        settled sequence (kept across apply scopes of the same tools)."""
+        if self.clean and self.sequence and self.cache.trace is None and _CONTROLS.cache:
+            self.cache.settled_sequence = self.sequence
+
+    def reset(self, cache):
+        self.cache = cache
+        self.counts.clear()
+        self.first_key = None
+        self.modules.clear()
+        self.settled = self.clean = False
+        self.sequence, self.expected, self.position = [], [], 0
+
+    def settle(self):
+        self.settled = True
+        self.mode.__exit__(None, None, None)
+
+    def unsettle(self):
+        if self.settled:
+            self.settled = False
+            self.mode.__enter__()
+        self.clean = False
+        self.cache.settled_sequence = None
+
+    def module_called(self, ref):
+        if not self.settled:
+            self.sequence.append(ref)
+            return
+        position = self.position
+        expected = self.expected
+        if position < len(expected) and expected[position] == ref and _CONTROLS.cache:
+            self.position = position + 1
+        else:
+            self.unsettle()   # a code path the settled step did not take
+            self.sequence.append(ref)
 
 
 _tls = threading.local()
@@ -283,24 +349,26 @@ def _state():
     return st
 
 
-def _tracked_module_call(self, *args, **kwargs):
-    """``nn.Module.__call__`` while amanda is applied: keeps the stack of
-    modules being called (cheaper than global module hooks, which force every
-    module call onto PyTorch's slow hook path)."""
+def _module_pre_hook(module, args):
+    """Global forward pre-hook while amanda is applied: keeps the stack of
+    modules being called. (Wrapping ``nn.Module.__call__`` would be cheaper
+    per call, but assigning a class attribute of ``nn.Module`` invalidates the
+    type caches of every subclass, which costs ~0.5 ms per apply scope.)"""
     st = getattr(_tls, "state", None)
     if st is None or not st.depth:
-        return _module_call(self, *args, **kwargs)
+        return
     modules = st.modules
     if not modules:
         st.new_step()  # a root module call starts a step
-    modules.append(weakref.ref(self))
-    try:
-        return _module_call(self, *args, **kwargs)
-    finally:
-        modules.pop()
+    ref = weakref.ref(module)
+    st.module_called(ref)
+    modules.append(ref)
 
 
-_module_call = torch.nn.Module.__call__
+def _module_post_hook(module, args, output):
+    st = getattr(_tls, "state", None)
+    if st is not None and st.depth and st.modules:
+        st.modules.pop()
 
 
 def _module_path(refs):
@@ -373,10 +441,12 @@ class _Mode(TorchFunctionMode):
             record = _new_record(st, cache, key, n, name, func, frame)
         if record.fast and cache.trace is None and _CONTROLS.cache:
             return func(*args, **kwargs)
+        st.clean = False
         return _run_op(cache, record, func, args, kwargs)
 
 
 def _new_record(st, cache, key, n, name, func, frame):
+    st.clean = False
     path = _module_path(st.modules)
     code = frame.f_code
     parts = [path, code.co_qualname, frame.f_lineno, name, n]
@@ -705,6 +775,7 @@ class TorchEagerDriver:
     def __init__(self):
         self._lock = threading.Lock()
         self._users = 0
+        self._handles = []
 
     def enter(self, session):
         global _STRAIGHT_THROUGH_NODE
@@ -716,9 +787,7 @@ class TorchEagerDriver:
             cache = session.caches["pytorch"] = _Cache(session)
         st.depth += 1
         if st.depth == 1:
-            st.new_step()
-            st.modules.clear()
-            st.cache = cache
+            st.reset(cache)
             self._add_hooks()
             st.mode = _Mode(st)
             try:
@@ -727,37 +796,48 @@ class TorchEagerDriver:
                 self._remove_hooks()
                 st.depth -= 1
                 raise
-        st.cache = cache
+        else:
+            st.unsettle()   # other tools: intercept again
+            st.cache = cache
 
     def exit(self, session, restored):
         st = _state()
         cache = session.caches.get("pytorch")
         if cache is not None and cache.trace is not None:
             cache.trace.finish()  # a scope's end ends the traced step
+        st.remember_clean_step()
         st.depth -= 1
         if st.depth == 0:
-            mode, st.mode, st.cache = st.mode, None, None
-            st.modules.clear()
+            mode, settled = st.mode, st.settled
+            st.reset(None)
+            st.mode = None
             try:
-                mode.__exit__(None, None, None)
+                if not settled:
+                    mode.__exit__(None, None, None)
             finally:
                 self._remove_hooks()
         else:
+            st.unsettle()
             st.cache = restored.caches["pytorch"]
+            st.clean = False
 
     def _add_hooks(self):
-        global _module_call
         with self._lock:
             self._users += 1
             if self._users == 1:
-                _module_call = torch.nn.Module.__call__
-                torch.nn.Module.__call__ = _tracked_module_call
+                self._handles = [
+                    _torch_module.register_module_forward_pre_hook(_module_pre_hook),
+                    _torch_module.register_module_forward_hook(_module_post_hook,
+                                                               always_call=True),
+                ]
 
     def _remove_hooks(self):
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                torch.nn.Module.__call__ = _module_call
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
 
 
 DRIVER = TorchEagerDriver()
