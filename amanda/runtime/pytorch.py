@@ -171,7 +171,8 @@ class _BackwardRecord:
 
 class _OpRecord:
     __slots__ = ("op_id", "name", "func", "module_path", "context", "pre_done", "post_done",
-                 "before", "after", "replace", "backward", "walked", "fast", "session")
+                 "before", "after", "replace", "backward", "walked", "fast", "watch", "session",
+                 "where")
 
     def __init__(self, session, op_id, name, func, module_path):
         self.session = session
@@ -185,6 +186,7 @@ class _OpRecord:
         self.before, self.after, self.replace = [], [], []
         self.backward = {}      # (index, node name) -> _BackwardRecord
         self.walked = False     # backward ops discovered at least once
+        self.where = (name, op_id, NAMESPACE)   # for error messages
         self.refresh()
 
     def fresh(self):
@@ -197,8 +199,9 @@ class _OpRecord:
         return self.session.has_backward and not self.walked
 
     def refresh(self):
+        self.watch = self.needs_walk()
         self.fast = (self.pre_done and self.post_done and not self.before and not self.after
-                     and not self.replace and not self.needs_walk())
+                     and not self.replace and not self.watch)
 
     def get_context(self):
         if self.context is None:
@@ -571,7 +574,7 @@ def _run_op(cache, record, func, args, kwargs):
     session = cache.session
     if not controls.state.cache:
         record = record.fresh()
-    where = (record.name, record.op_id, NAMESPACE)
+    where = record.where
     tensors, slots = _flatten(args, kwargs)
     context = None
     trace = cache.trace
@@ -595,7 +598,7 @@ def _run_op(cache, record, func, args, kwargs):
         result = func(*args, **kwargs)
     outputs = _flatten_outputs(result)
     nodes = ()
-    if (record.needs_walk() or cache.trace is not None) and torch.is_grad_enabled():
+    if (record.watch or cache.trace is not None) and _grad_enabled():
         nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
         record.walked = True
         if nodes:
@@ -675,12 +678,15 @@ def _walk_new_nodes(outputs, mark, owner):
 def _install_backward(session, record, nodes):
     for index, node in enumerate(nodes):
         brec = record.backward_record(index, type(node).__name__)
-        metadata = node.metadata
-        hooks = metadata.get("amanda_hooks")
-        if hooks is None or hooks.session is not session:
+        if node._sequence_nr() == _ACCUMULATE:
             # Hooks reach their record through a holder: an accumulator kept
             # alive by an old graph is found again, and must not be hooked twice.
-            hooks = metadata["amanda_hooks"] = _NodeHooks(session)
+            metadata = node.metadata
+            hooks = metadata.get("amanda_hooks")
+            if hooks is None or hooks.session is not session:
+                hooks = metadata["amanda_hooks"] = _NodeHooks(session)
+        else:
+            hooks = _NodeHooks(session)   # a node created by this very execution
         hooks.brec = brec
         if not hooks.pre and (not brec.pre_done or brec.before):
             node.register_prehook(functools.partial(_backward_pre, hooks))
