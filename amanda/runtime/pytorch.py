@@ -83,11 +83,12 @@ def _classify(func):
     return name
 
 
-# Code objects of torch and amanda: the calling site of an op is the first
-# frame outside them. Keyed by id(): hashing a code object rehashes its
+# Code objects of torch and amanda's runtime: the calling site of an op is the
+# first frame outside them (amanda.models and tools are ordinary callers). Keyed by id(): hashing a code object rehashes its
 # constants on every call, which is slow for large functions; the codes are
 # kept alive here so their ids stay valid.
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, amanda))
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
+                 os.path.dirname(os.path.abspath(__file__)) + os.sep)   # amanda's runtime
 _LIBRARY_CODE = {}
 _SEEN_CODE = []
 
@@ -419,7 +420,7 @@ class _Mode(TorchFunctionMode):
         st = self.st
         frame = _getframe(1)
         flag = _LIBRARY_CODE.get(id(frame.f_code))
-        while flag or flag is None:  # up to the first frame outside torch and amanda
+        while flag or flag is None:  # up to the first frame outside torch and the runtime
             if flag is None:
                 flag = _is_library_code(frame.f_code)
                 continue
