@@ -84,9 +84,10 @@ def _classify(func):
 
 
 # Code objects of torch and amanda's runtime: the calling site of an op is the
-# first frame outside them (amanda.models and tools are ordinary callers). Keyed by id(): hashing a code object rehashes its
-# constants on every call, which is slow for large functions; the codes are
-# kept alive here so their ids stay valid.
+# first frame outside them (amanda.models and tools are ordinary callers).
+# Keyed by id(): hashing a code object rehashes its constants on every call,
+# which is slow for large functions; the codes are kept alive here so their
+# ids stay valid.
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
                  os.path.dirname(os.path.abspath(__file__)) + os.sep)   # amanda's runtime
 _LIBRARY_CODE = {}
