@@ -225,3 +225,31 @@ def _normalise_positions(positions, context, kind):
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:
             raise context._error(f"{kind}: positions must be non-negative ints, got {positions!r}")
     return result
+
+
+_BEFORE_KINDS = (BEFORE_OP, BEFORE_BACKWARD)
+_AFTER_KINDS = (AFTER_OP, AFTER_BACKWARD)
+
+
+def take_actions(context, target):
+    """Move the actions analysis routines recorded on ``context`` into
+    ``target.before``, ``target.after`` and ``target.replace`` (the runtime's
+    record of the op), in recording order.
+
+    Raises:
+        ToolError: more than one routine replaces the op.
+    """
+    for action in context._actions:
+        if action.kind in _BEFORE_KINDS:
+            target.before.append(action)
+        elif action.kind in _AFTER_KINDS:
+            target.after.append(action)
+        else:
+            target.replace.append(action)
+    context._actions = []
+    if len(target.replace) > 1:
+        last = target.replace[-1]
+        tools = ", ".join(type(a.tool).__name__ for a in target.replace)
+        raise ToolError(f"more than one routine replaces this op ({tools})", tool=last.tool,
+                        routine=last.func, op_name=context._op_name, op_id=context._op_id,
+                        namespace=context.namespace)

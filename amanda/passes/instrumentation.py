@@ -15,14 +15,8 @@ no forward op, whose ``get_op()`` is then None).
 
 from __future__ import annotations
 
-from amanda.context import (AFTER_BACKWARD, AFTER_OP, BEFORE_BACKWARD, BEFORE_OP,
-                            REPLACE_BACKWARD, REPLACE_OP, OpContext)
-from amanda.errors import ToolError
+from amanda.context import OpContext, take_actions
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
-
-_BEFORE = (BEFORE_OP, BEFORE_BACKWARD)
-_AFTER = (AFTER_OP, AFTER_BACKWARD)
-_REPLACE = (REPLACE_OP, REPLACE_BACKWARD)
 
 
 class GraphBackend:
@@ -153,19 +147,7 @@ def _analyse_backward(op, graph, session, backend, plan):
 
 
 def _absorb(entry, context):
-    for action in context._actions:
-        if action.kind in _BEFORE:
-            entry.before.append(action)
-        elif action.kind in _AFTER:
-            entry.after.append(action)
-        else:
-            entry.replace.append(action)
-    context._actions = []
+    take_actions(context, entry)
     # Tensors of the analysis are not kept: contexts live as long as the plan.
     context._inputs = context._outputs = None
     context._grad_outputs = context._grad_inputs = None
-    if len(entry.replace) > 1:
-        last = entry.replace[-1]
-        raise ToolError("more than one routine replaces this op", tool=last.tool,
-                        routine=last.func, op_name=entry.op.type, op_id=entry.op.name,
-                        namespace=context.namespace)

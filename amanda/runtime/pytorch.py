@@ -38,8 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 import amanda
 from amanda import controls
-from amanda.context import (AFTER_BACKWARD, AFTER_OP, BEFORE_BACKWARD, BEFORE_OP,
-                            REPLACE_BACKWARD, REPLACE_OP, OpContext)
+from amanda.context import OpContext, take_actions
 from amanda.errors import ToolError
 from amanda.runtime.routines import call_routine, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
@@ -223,30 +222,6 @@ def _stable_id(*parts):
     """A 63-bit id from text parts: the same in every run and process."""
     text = "\x1f".join(map(str, parts)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
-
-
-def _absorb(record, context, kinds):
-    """Move the actions a routine just recorded into the record's lists."""
-    before, after, replace = kinds
-    for action in context._actions:
-        kind = action.kind
-        if kind == before:
-            record.before.append(action)
-        elif kind == after:
-            record.after.append(action)
-        else:
-            record.replace.append(action)
-    context._actions = []
-    if len(record.replace) > 1:
-        tools = ", ".join(type(a.tool).__name__ for a in record.replace)
-        raise ToolError(f"more than one routine replaces this op ({tools})",
-                        tool=record.replace[-1].tool, routine=record.replace[-1].func,
-                        op_name=getattr(record, "name", None), op_id=record.op_id,
-                        namespace=NAMESPACE)
-
-
-_FORWARD_KINDS = (BEFORE_OP, AFTER_OP, REPLACE_OP)
-_BACKWARD_KINDS = (BEFORE_BACKWARD, AFTER_BACKWARD, REPLACE_BACKWARD)
 
 
 class _Cache:
@@ -562,14 +537,14 @@ def _apply_actions(actions, values, where):
     return changed
 
 
-def _analyse(session, point, context, record, kinds):
+def _analyse(session, point, context, record):
     state = controls.state
     saved, state.disabled = state.disabled, True
     try:
         session.analyse(point, context)
     finally:
         state.disabled = saved
-    _absorb(record, context, kinds)
+    take_actions(context, record)
 
 
 def _run_op(cache, record, func, args, kwargs):
@@ -586,7 +561,7 @@ def _run_op(cache, record, func, args, kwargs):
         if trace is not None:
             context._graph = trace.graph
         try:
-            _analyse(session, FORWARD_BEFORE, context, record, _FORWARD_KINDS)
+            _analyse(session, FORWARD_BEFORE, context, record)
         finally:
             context._inputs = None
         record.pre_done = True
@@ -612,7 +587,7 @@ def _run_op(cache, record, func, args, kwargs):
         if trace is not None:
             context._graph, context._ir_op = trace.graph, ir_op
         try:
-            _analyse(session, FORWARD_AFTER, context, record, _FORWARD_KINDS)
+            _analyse(session, FORWARD_AFTER, context, record)
         finally:
             context._inputs = context._outputs = None
         record.post_done = True
@@ -733,7 +708,7 @@ def _backward_pre(hooks, grad_outputs):
         context = _backward_context(brec)
         context._grad_outputs = grad_outputs
         try:
-            _analyse(session, BACKWARD_BEFORE, context, brec, _BACKWARD_KINDS)
+            _analyse(session, BACKWARD_BEFORE, context, brec)
         finally:
             context._grad_outputs = None
         brec.pre_done = True
@@ -753,7 +728,7 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
         context = _backward_context(brec)
         context._grad_outputs, context._grad_inputs = grad_outputs, grad_inputs
         try:
-            _analyse(session, BACKWARD_AFTER, context, brec, _BACKWARD_KINDS)
+            _analyse(session, BACKWARD_AFTER, context, brec)
         finally:
             context._grad_outputs = context._grad_inputs = None
         brec.post_done = True
