@@ -502,16 +502,20 @@ _set_grad_enabled = torch._C._set_grad_enabled
 
 def _invoke(action, selected, where):
     """Run a routine with autodiff isolation unless it opted in. Amanda is
-    disabled meanwhile: a routine's own torch calls are not instrumented."""
-    state = controls.state
+    disabled meanwhile: a routine's own torch calls are not instrumented
+    (inside the mode's handler torch has popped the mode already; the flag
+    covers backward hooks)."""
+    state = _CONTROLS
     saved, state.disabled = state.disabled, True
     grad = _grad_enabled()
-    if not action.ad:
+    switch = grad and not action.ad
+    if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     try:
         return call_routine(action, selected, _is_tensor, where)
     finally:
-        _set_grad_enabled(grad)
+        if switch:
+            _set_grad_enabled(True)
         state.disabled = saved
 
 
