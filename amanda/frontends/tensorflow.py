@@ -160,7 +160,9 @@ def _records_from_tf_graph(tf_graph, graph_def, order=None):
                 node.attr,
                 node.device,
                 [t.name for t in op.inputs],
-                [c.name for c in op.control_inputs],
+                # a set in TF: sorted, as a GraphDef stores them, so that a
+                # graph and its GraphDef lift alike
+                sorted(c.name for c in op.control_inputs),
                 [(t.name, _tensor_shape(t.shape), t.dtype.name) for t in op.outputs],
                 order.get(op.name, len(order) + i),
             )
@@ -211,7 +213,7 @@ def _raw_records(graph_def):
             (f"{node.name}:{k}", shapes[k] if k < len(shapes) else None, dtype) for k, dtype in enumerate(dtypes)
         ]
         inputs = [_canonical_input(n) for n in node.input if not n.startswith("^")]
-        controls = [n[1:] for n in node.input if n.startswith("^")]
+        controls = sorted(n[1:] for n in node.input if n.startswith("^"))
         records.append(_Record(node.name, node.op, node.attr, node.device, inputs, controls, outputs, i))
     return records
 
@@ -654,12 +656,16 @@ def map_gradients(graph):
       ``__backward_*`` function (owner: the forward call whose outputs it
       reads), ``AddN`` over gradients, and seed constants (``ones``,
       ``zeros``) read only by gradient ops, are gradient ops.
+    * A gradient op that its owner reads (the accumulators control flow v2
+      adds as inputs of a forward ``While``) gets no owner: it runs before
+      the forward op.
 
     Returns:
         The names of the gradient ops without owner, also stored in
         ``graph.attrs["unowned_backward_ops"]``.
     """
     owners = gradient_owners(graph)
+    _disown_forward_feeders(graph, owners)
     unowned = []
     for op in graph:
         if op.name in owners:
@@ -670,6 +676,29 @@ def map_gradients(graph):
                 unowned.append(op.name)
     graph.attrs["unowned_backward_ops"] = unowned
     return unowned
+
+
+def _disown_forward_feeders(graph, owners):
+    """Gradient ops that their own forward op reads get no owner.
+
+    Control flow v2 gradients add accumulators (``EmptyTensorList``) as
+    extra inputs of the forward ``While``; they run before it, so a routine
+    before the forward op cannot also be seen by them (that would be a
+    cycle). Walks back from each owner's inputs through the gradient ops it
+    owns.
+    """
+    by_name = {op.name: op for op in graph}
+    for owner in set(o for o in owners.values() if o is not None):
+        forward = by_name.get(owner)
+        if forward is None:
+            continue
+        pending = [t.producer for t in forward.inputs if t.producer is not None]
+        while pending:
+            op = pending.pop()
+            if owners.get(op.name) != owner:
+                continue
+            owners[op.name] = None
+            pending.extend(t.producer for t in op.inputs if t.producer is not None)
 
 
 class _GradientMapper:

@@ -2,15 +2,16 @@
 execute an instrumented copy.
 
 Inside ``amanda.apply``, ``Session.run`` and concrete functions' ``_call_flat``
-are intercepted (the two patches, removed when the outermost scope exits). The user's graph is lifted into the IR, the
-tools' analysis routines run over it (the shared instrumentation pass), the
-recorded actions are lowered to ``amanda.routine`` IR ops, and those are
-realised in a *copy* of the user's graph, which a shadow session runs. The
-user's graph is never modified: same operations, same collections.
+are intercepted (the two patches, removed when the outermost scope exits). The
+user's graph is lifted into the IR, the tools' analysis routines run over it
+(the shared instrumentation pass), the recorded actions are lowered to
+``amanda.routine`` IR ops, and those are realised in a *copy* of the user's
+graph, which a shadow session runs. The user's graph is never modified: same
+operations, same collections.
 
 * Analysis runs while the graph is rewritten; instrumentation routines run
   every time the op executes, as ``tf.numpy_function`` callbacks receiving
-  NumPy arrays.
+  NumPy arrays (None for tensors that cannot leave TensorFlow).
 * Rewrites are cached per graph version; when the user's graph grows, the
   pass reuses the previous plan (only new ops are analysed) and only new
   operations are imported into the copy.
@@ -19,10 +20,16 @@ user's graph is never modified: same operations, same collections.
   when the scope ends, through the user graph's own read and initializer
   ops (fed), so checkpoints and later plain runs see the trained values and
   no instrumentation state.
+* While analysis routines run, `evaluate` computes values of the user's
+  tensors (uninstrumented, with the current variable values and the inputs of
+  the run being rewritten) and `current_session` returns the user's session.
+
+How it all fits together, and its limits, is in ``docs/tensorflow.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -37,6 +44,8 @@ from amanda.errors import BackendError
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime.routines import call_routine
+
+__all__ = ["NAMESPACE", "current_session", "evaluate"]
 
 NAMESPACE = f"tensorflow/{tf.__version__}/graph"
 _original_run = _tf_session.BaseSession.run
@@ -64,13 +73,122 @@ class TFGraphBackend(GraphBackend):
         return self.tf_graph.get_operation_by_name(ir_tensor.producer.name).outputs[ir_tensor.index]
 
 
+# -- values for analysis routines -----------------------------------------------
+
+_analysis = threading.local()
+
+
+def current_session():
+    """The user's ``tf.compat.v1.Session`` whose ``run`` is being instrumented.
+
+    Only meaningful while analysis routines (or mapping rules) run: the
+    session then holds the current variable values (amanda hands the shadow
+    session's values back first if needed), and ``run`` on it executes the
+    user's graph uninstrumented.
+
+    Returns:
+        The session, or None outside analysis and while a ``tf.function`` is
+        being rewritten (use `evaluate` there).
+    """
+    probe = getattr(_analysis, "probe", None)
+    return None if probe is None else probe.session()
+
+
+def evaluate(tensors):
+    """Values of tensors of the graph being rewritten, as NumPy arrays.
+
+    Call it from an analysis routine or a mapping rule, e.g. to read a
+    weight: ``evaluate(context.get_inputs()[1])``. The tensors are computed
+    without instrumentation, from the current variable values and the inputs
+    of the ``Session.run`` (its ``feed_dict``) or ``tf.function`` call being
+    rewritten. Each call runs the graph once, so batch tensors in one call.
+
+    Args:
+        tensors: a ``tf.Tensor`` of the user's graph (what ``get_inputs()``
+            and ``get_outputs()`` return), or a list of them.
+
+    Returns:
+        One array, or a list of arrays for a list.
+
+    Raises:
+        BackendError: called outside analysis in TensorFlow graph mode.
+    """
+    probe = getattr(_analysis, "probe", None)
+    if probe is None:
+        raise BackendError("amanda.runtime.tensorflow.evaluate() works only while analysis "
+                           "routines run on a TensorFlow graph")
+    if isinstance(tensors, (list, tuple)):
+        return list(probe.evaluate(list(tensors)))
+    return probe.evaluate([tensors])[0]
+
+
+@contextlib.contextmanager
+def _probing(probe):
+    saved, _analysis.probe = getattr(_analysis, "probe", None), probe
+    try:
+        yield
+    finally:
+        _analysis.probe = saved
+
+
+class _SessionProbe:
+    """`evaluate` for a ``Session.run``: runs the user session uninstrumented
+    with that run's feeds."""
+
+    def __init__(self, shadow, feed_dict):
+        self.shadow = shadow
+        self.feed_dict = feed_dict
+
+    def session(self):
+        # the newest variable values may live in the shadow session; they are
+        # only handed back when asked for, as that copies every variable
+        _hand_back(self.shadow.user_session)
+        return self.shadow.user_session
+
+    def evaluate(self, tensors):
+        return _original_run(self.session(), tensors, self.feed_dict or None)
+
+
+class _FunctionProbe:
+    """`evaluate` for a ``tf.function`` call: an uninstrumented copy of the
+    function graph, pruned to the requested tensors, called with the call's
+    inputs (variables are captured by handle: their current values)."""
+
+    def __init__(self, function_graph, flat_inputs):
+        self.function_graph = function_graph
+        self.flat_inputs = flat_inputs
+        self.plain = None
+
+    def session(self):
+        return None
+
+    def evaluate(self, tensors):
+        if self.plain is None:
+            self.plain = tf.compat.v1.wrap_function(lambda: None, [])
+            with self.plain.graph.as_default():
+                tf.import_graph_def(self.function_graph.as_graph_def(), name="")
+        graph = self.plain.graph
+        feeds = [graph.get_tensor_by_name(t.name) for t in self.function_graph.inputs]
+        pruned = self.plain.prune(feeds, [graph.get_tensor_by_name(t.name) for t in tensors])
+        pruned._amanda_copy = True
+        return [t.numpy() for t in pruned(*self.flat_inputs)]
+
+
+# -- routines as callbacks ----------------------------------------------------------
+
+
 def _is_array(value):
     return isinstance(value, (np.ndarray, np.generic))
 
 
 def _crosses_to_python(dtype):
-    """Whether tensors of ``dtype`` can be handed to a Python routine."""
-    return dtype not in (tf.resource, tf.variant, tf.string)
+    """Whether tensors of ``dtype`` can be handed to a Python routine.
+
+    Not handles (resource, variant), strings, nor references to v1
+    variables (``float32_ref``: the op reading one may assign to it, which a
+    copy made in Python would silently break).
+    """
+    return not dtype._is_ref_dtype and dtype not in (tf.resource, tf.variant, tf.string)
 
 
 def _callback(action, where, count, hosted, dtypes, replacing):
@@ -118,9 +236,15 @@ class _GraphRewrite:
         self.plan = None
         self.realised = {}          # Action -> its tensors in the copy
         self.final = {}             # user tensor name -> what consumers read in the copy
+        self.last_after = {}        # op name -> its last after-routine that passes no tensor
+        self._bare_after = set()    # names of those routines
+        self._control_users = None  # op name -> copy ops having it as control input
 
-    def refresh(self):
+    def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
+
+        Args:
+            probe: what `evaluate` and `current_session` use meanwhile.
 
         Returns:
             Whether anything was rewritten (False on a cache hit).
@@ -131,10 +255,11 @@ class _GraphRewrite:
         from amanda.frontends.tensorflow import lift_graph
         ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
         state = controls.state
-        saved, state.disabled = state.disabled, True
+        saved, state.disabled = state.disabled, True   # rules may run the user's graph
         try:
-            self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
-                                                 TFGraphBackend(self.user_graph), self.plan)
+            with _probing(probe):
+                self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
+                                                     TFGraphBackend(self.user_graph), self.plan)
         finally:
             state.disabled = saved
         lowered = lower_actions(ir_graph, self.plan)
@@ -149,7 +274,11 @@ class _GraphRewrite:
         return final if final is not None else self.copy.get_tensor_by_name(name)
 
     def operation(self, name):
-        return self.copy.get_operation_by_name(name)
+        """What to run in the copy for the user's operation ``name``: the op,
+        or its last after-routine when that passes no tensor (so fetching an
+        op with no outputs, e.g. a training op, still runs its routines)."""
+        last = self.last_after.get(name)
+        return last if last is not None else self.copy.get_operation_by_name(name)
 
     def _import_new_ops(self):
         graph_def = self.user_graph.as_graph_def()
@@ -179,12 +308,14 @@ class _GraphRewrite:
 
     def _realise(self, lowered):
         made = {}  # IR routine op -> its tensors in the copy
+        self._control_users = None
         with self.copy.as_default():
             for op in lowered.ops:
                 if op.type == ROUTINE:
                     made[op] = self._routine(op, made)
                 else:
                     self._rewire(op, made)
+        self._control_users = None
 
     def _tensor_in_copy(self, ir_tensor, made):
         producer = ir_tensor.producer
@@ -235,18 +366,36 @@ class _GraphRewrite:
         return tensors
 
     def _order(self, kind, target, routine):
-        """Make a routine that passes no tensor run before/after its op."""
+        """Make a routine that passes no tensor run before/after its op.
+
+        After-routines run in the order they were recorded, each after the op
+        and before everything that reads the op's outputs or waits on it.
+        """
         if kind.startswith("before"):
             target._add_control_input(routine)
             return
-        routine._add_control_input(target)
-        for output in target.outputs:
-            for consumer in output.consumers():
-                if consumer is not routine:
-                    consumer._add_control_input(routine)
-        for op in self.copy.get_operations():
-            if target in op.control_inputs and op is not routine:
+        previous = self.last_after.get(target.name, target)
+        routine._add_control_input(previous)
+        waiting = [c for output in target.outputs for c in output.consumers()]
+        waiting += self._waiting_on(target)
+        for op in waiting:
+            # earlier routines of the chain wait on the op too: they must not
+            # wait on this one as well (a cycle)
+            if op is not routine and op.name not in self._bare_after:
                 op._add_control_input(routine)
+        self._bare_after.add(routine.name)
+        self.last_after[target.name] = routine
+
+    def _waiting_on(self, target):
+        """Ops of the copy with ``target`` as a control input (indexed once
+        per rewrite: scanning the graph per routine is quadratic)."""
+        if self._control_users is None:
+            index = {}
+            for op in self.copy.get_operations():
+                for control in op.control_inputs:
+                    index.setdefault(control.name, []).append(op)
+            self._control_users = index
+        return list(self._control_users.get(target.name, ()))
 
     def _record_final(self, op, tensors):
         kind = op.attrs["kind"]
@@ -287,12 +436,18 @@ class _Shadow:
         self.session = None
         self.sync = _VariableSync(self)
 
-    def refresh(self):
-        self.rewrite.refresh()
+    def refresh(self, feed_dict):
+        self.rewrite.refresh(_SessionProbe(self, feed_dict))
         if self.session is None:
             self.session = tf.compat.v1.Session(graph=self.copy,
                                                 config=getattr(self.user_session, "_config", None))
             self.session._amanda_shadow = True
+
+    def close(self):
+        """Free the shadow session (its user session was closed)."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
     def run(self, fetches, feed_dict, options, run_metadata):
         mapped = _map_structure(fetches, self._fetch)
@@ -332,12 +487,17 @@ def _map_structure(value, leaf):
 
 
 class _VariableSync:
-    """Copies variable values between a user session and its shadow using only
-    the user graph's existing read and initializer ops (fed)."""
+    """Copies variable values between a user session and its shadow.
+
+    The user side uses only the user graph's existing read and initializer ops
+    (fed), so the user's graph gets no new op. The copy side uses ops of its
+    own, on their own handles to the same variables, so a sync never runs an
+    instrumentation routine placed on a variable op.
+    """
 
     def __init__(self, shadow):
         self.shadow = shadow
-        self._copy_ops = None
+        self._copy_ops = {}
 
     def _variables(self):
         """(name, read tensor in user graph, assign op in user graph) per variable."""
@@ -356,7 +516,8 @@ class _VariableSync:
                                if c.type == "Assign" and graph.is_feedable(c.inputs[1])), None)
             else:
                 continue
-            found.append((op.name, read, assign))
+            if read is not None:
+                found.append((op.name, read, assign))
         return found
 
     def _read(self, run, session, tensors):
@@ -372,42 +533,42 @@ class _VariableSync:
                     pass
             return values
 
-    def _copy_side(self):
-        """Placeholders and assign ops in the copy (ours to extend)."""
-        if self._copy_ops is None:
-            copy, ops = self.shadow.copy, {}
+    def _copy_side(self, variables):
+        """(placeholder, assign op, read tensor) in the copy per variable that
+        the copy has; built on first need (the copy is ours to extend)."""
+        copy, ops = self.shadow.copy, self._copy_ops
+        present = {op.name for op in copy.get_operations()}
+        missing = [(name, read) for name, read, _ in variables
+                   if name not in ops and name in present]
+        if missing:
             with copy.as_default(), tf.name_scope("amanda_sync"):
-                for name, read, _ in self._variables():
-                    var = copy.get_operation_by_name(name)
-                    value = tf.compat.v1.placeholder(read.dtype, name=None)
-                    if var.type == "VarHandleOp":
-                        assign = tf.raw_ops.AssignVariableOp(resource=var.outputs[0], value=value)
-                        reader = tf.raw_ops.ReadVariableOp(resource=var.outputs[0], dtype=read.dtype)
-                    else:
-                        assign = tf.compat.v1.assign(var.outputs[0], value).op
-                        reader = tf.identity(var.outputs[0])
-                    ops[name] = (value, assign, reader)
-            self._copy_ops = ops
-        return self._copy_ops
+                for name, read in missing:
+                    ops[name] = _sync_ops(copy.get_operation_by_name(name), read.dtype)
+        return ops
 
     def into_shadow(self):
+        """User session -> shadow session (initialised variables only)."""
         variables = self._variables()
         values = self._read(_original_run, self.shadow.user_session, [r for _, r, _ in variables])
-        if not values:
-            return
-        side = self._copy_side()
+        side = self._copy_side(variables)
         assigns, feeds = [], {}
         for i, value in values.items():
-            placeholder, assign, _ = side[variables[i][0]]
+            entry = side.get(variables[i][0])
+            if entry is None:
+                continue
+            placeholder, assign, _ = entry
             assigns.append(assign)
             feeds[placeholder] = value
-        _original_run(self.shadow.session, assigns, feeds)
+        if assigns:
+            _original_run(self.shadow.session, assigns, feeds)
 
     def out_of_shadow(self):
-        if getattr(self.shadow.user_session, "_closed", False):
+        """Shadow session -> user session (variables initialised in the shadow)."""
+        if getattr(self.shadow.user_session, "_closed", False) or self.shadow.session is None:
             return  # the user closed it inside the scope: its state is gone anyway
         variables = self._variables()
-        side = self._copy_side()
+        side = self._copy_side(variables)
+        variables = [v for v in variables if v[0] in side]
         values = self._read(_original_run, self.shadow.session,
                             [side[name][2] for name, _, _ in variables])
         assigns, feeds, missing = [], {}, []
@@ -425,6 +586,30 @@ class _VariableSync:
                           f"(no feedable initializer): {', '.join(missing)}")
 
 
+def _sync_ops(var, dtype):
+    """Placeholder, assign op and read tensor for the variable op ``var`` of
+    the copy, on a handle of their own (same container and shared name: the
+    same variable) so that routines on ``var`` do not run during a sync."""
+    value = tf.compat.v1.placeholder(dtype)
+    shared_name = var.get_attr("shared_name")
+    container = var.get_attr("container")
+    with tf.device(var.device):
+        if var.type == "VarHandleOp":
+            handle = var.outputs[0]
+            if shared_name:   # an empty one would mean a different variable
+                handle = tf.raw_ops.VarHandleOp(dtype=dtype, shape=var.get_attr("shape"),
+                                                container=container, shared_name=shared_name)
+            assign = tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+            reader = tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+        else:
+            ref = tf.raw_ops.VariableV2(shape=var.get_attr("shape"), dtype=dtype,
+                                        container=container,
+                                        shared_name=shared_name or var.name)
+            assign = tf.compat.v1.assign(ref, value, validate_shape=False).op
+            reader = tf.identity(ref)
+    return value, assign, reader
+
+
 class _FunctionCopy:
     """An instrumented copy of a concrete function's graph, callable with the
     same flat inputs (captured variables are fed by handle: same state)."""
@@ -436,7 +621,8 @@ class _FunctionCopy:
         self.pruned = None
 
     def call(self, flat_inputs):
-        if self.rewrite.refresh() or self.pruned is None:
+        probe = _FunctionProbe(self.function.graph, flat_inputs)
+        if self.rewrite.refresh(probe) or self.pruned is None:
             graph = self.function.graph
             feeds = [self.rewrite.copy.get_tensor_by_name(t.name) for t in graph.inputs]
             fetches = [self.rewrite.tensor(t.name) for t in graph.outputs]
@@ -447,7 +633,7 @@ class _FunctionCopy:
 
 def _patched_call_flat(self, tensor_inputs, captured_inputs):
     sessions = controls.state.sessions
-    if (not sessions or controls.state.disabled or getattr(_tls, "used", None) is None
+    if (not sessions or controls.state.disabled or getattr(_tls, "live", None) is None
             or getattr(self, "_amanda_copy", False) or not tf.executing_eagerly()):
         return _original_call_flat(self, tensor_inputs, captured_inputs)
     session = sessions[-1]
@@ -466,11 +652,37 @@ def _patched_call_flat(self, tensor_inputs, captured_inputs):
 _tls = threading.local()
 
 
+def _hand_back(user_session):
+    """Give ``user_session`` its newest variable values if a shadow holds
+    them; the next instrumented run moves them into the shadow again."""
+    live = getattr(_tls, "live", None)
+    holder = None if live is None else live.pop(user_session, None)
+    if holder is not None:
+        holder.sync.out_of_shadow()
+
+
+def _activate(shadow):
+    """Move the variable values into ``shadow`` if another place holds them.
+
+    Nested scopes with other tools use other shadows of the same user
+    session; the values go through the user session from one to the other.
+    """
+    live = _tls.live
+    holder = live.get(shadow.user_session)
+    if holder is shadow:
+        return
+    if holder is not None:
+        holder.sync.out_of_shadow()
+    shadow.sync.into_shadow()
+    live[shadow.user_session] = shadow
+
+
 def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     sessions = controls.state.sessions
-    used = getattr(_tls, "used", None)
-    if not sessions or controls.state.disabled or used is None or \
-            getattr(self, "_amanda_shadow", False):
+    if not sessions or getattr(_tls, "live", None) is None or getattr(self, "_amanda_shadow", False):
+        return _original_run(self, fetches, feed_dict, options, run_metadata)
+    if controls.state.disabled:   # amanda.disabled(), or a rule running the user's graph
+        _hand_back(self)
         return _original_run(self, fetches, feed_dict, options, run_metadata)
     session = sessions[-1]
     shadows = session.caches.get("tensorflow")
@@ -479,16 +691,14 @@ def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     shadow = shadows.get(self)
     if shadow is None:
         shadow = shadows[self] = _Shadow(self, session)
-    shadow.refresh()
-    if shadow not in used:
-        # the user session may have changed since the last scope: take its state
-        shadow.sync.into_shadow()
-        used.append(shadow)
+    shadow.refresh(feed_dict)
+    _activate(shadow)
     return shadow.run(fetches, feed_dict, options, run_metadata)
 
 
 class TensorFlowGraphDriver:
-    """Intercepts ``Session.run`` while any thread is inside ``apply``.
+    """Intercepts ``Session.run`` and ``tf.function`` calls while any thread
+    is inside ``apply``.
 
     Shadows (instrumented copies and their sessions) are cached per user
     session in the amanda session, so later scopes reuse the rewrite; variable
@@ -504,7 +714,7 @@ class TensorFlowGraphDriver:
         depth = getattr(_tls, "depth", 0)
         _tls.depth = depth + 1
         if depth == 0:
-            _tls.used = []
+            _tls.live = {}
             with self._lock:
                 self._users += 1
                 if self._users == 1:
@@ -515,10 +725,13 @@ class TensorFlowGraphDriver:
         _tls.depth -= 1
         if _tls.depth:
             return
-        used, _tls.used = _tls.used, None
+        live, _tls.live = _tls.live, None
         try:
-            for shadow in used:
-                shadow.sync.out_of_shadow()
+            for user_session, shadow in live.items():
+                if getattr(user_session, "_closed", False):
+                    shadow.close()
+                else:
+                    shadow.sync.out_of_shadow()
         finally:
             with self._lock:
                 self._users -= 1
