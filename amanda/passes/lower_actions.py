@@ -41,8 +41,9 @@ def lower_actions(graph, plan):
     """
     result = graph.copy()
     owned = _backward_ops_by_owner(result)
+    by_name = {op.name: op for op in result.ops}
     for entry in plan.actions():
-        op = _find(result, entry.op.name)
+        op = by_name[entry.op.name]
         for action in entry.replace:
             _lower_replace(result, op, action, owned)
         for action in entry.before:
@@ -50,13 +51,6 @@ def lower_actions(graph, plan):
         for action in entry.after:
             _lower_after(result, op, action, owned)
     return result
-
-
-def _find(graph, name):
-    for op in graph.ops:
-        if op.name == name:
-            return op
-    raise KeyError(name)
 
 
 def _backward_ops_by_owner(graph):
@@ -109,8 +103,15 @@ def _lower_after(graph, op, action, owned):
     keep = owned.get(op.name, set()) if action.kind == AFTER_OP else set()
     for original, new in zip(originals, routine.outputs):
         _rewire(original, new, lambda user: user is not routine and user not in keep)
-        if original.is_graph_output:
-            graph.set_outputs([new if t is original else t for t in graph.outputs])
+    _replace_graph_outputs(graph, originals, routine.outputs)
+
+
+def _replace_graph_outputs(graph, originals, replacements):
+    """Graph outputs read what consumers read (one pass over the outputs)."""
+    swap = {id(o): n for o, n in zip(originals, replacements)}
+    outputs = graph.outputs
+    if any(id(t) in swap for t in outputs):
+        graph.set_outputs([swap.get(id(t), t) for t in outputs])
 
 
 def _lower_replace(graph, op, action, owned):
@@ -121,8 +122,7 @@ def _lower_replace(graph, op, action, owned):
     keep = owned.get(op.name, set()) if action.kind == REPLACE_OP else set()
     for original, new in zip(op.outputs, routine.outputs):
         _rewire(original, new, lambda user: user is not routine and user not in keep)
-        if original.is_graph_output:
-            graph.set_outputs([new if t is original else t for t in graph.outputs])
+    _replace_graph_outputs(graph, op.outputs, routine.outputs)
 
 
 def _rewire(original, new, accept):
