@@ -435,9 +435,12 @@ class _Shadow:
         self.copy = self.rewrite.copy
         self.session = None
         self.sync = _VariableSync(self)
+        self._elements = {}   # user fetch/feed element -> its counterpart in the copy
 
     def refresh(self, feed_dict):
-        self.rewrite.refresh(_SessionProbe(self, feed_dict))
+        if self.user_graph.version != self.rewrite.version:
+            if self.rewrite.refresh(_SessionProbe(self, feed_dict)):
+                self._elements.clear()
         if self.session is None:
             self.session = tf.compat.v1.Session(graph=self.copy,
                                                 config=getattr(self.user_session, "_config", None))
@@ -450,11 +453,27 @@ class _Shadow:
             self.session = None
 
     def run(self, fetches, feed_dict, options, run_metadata):
-        mapped = _map_structure(fetches, self._fetch)
+        mapped = _map_structure(fetches, self._cached_fetch)
         feeds = None
         if feed_dict:
-            feeds = {self._feed_key(k): v for k, v in feed_dict.items()}
+            feeds = {self._cached(("feed", k), self._feed_key, k): v for k, v in feed_dict.items()}
         return _original_run(self.session, mapped, feeds, options, run_metadata)
+
+    def _cached_fetch(self, element):
+        return self._cached(element, self._fetch, element)
+
+    def _cached(self, key, compute, element):
+        """Mapping a fetch costs graph lookups; a training loop fetches the
+        same elements every run (the memo is cleared when the copy grows)."""
+        try:
+            return self._elements[key]
+        except (KeyError, TypeError):   # TypeError: an unhashable element
+            mapped = compute(element)
+            try:
+                self._elements[key] = mapped
+            except TypeError:
+                pass
+            return mapped
 
     def _fetch(self, element):
         if isinstance(element, str):
