@@ -525,7 +525,7 @@ def _apply_actions(actions, values, where):
     changed = False
     for action in actions:
         positions = action.positions
-        selected = select(values, positions, action, where)
+        selected = values if positions is None else select(values, positions, action, where)
         result = _invoke(action, selected, where)
         if result is None:
             continue
