@@ -558,3 +558,14 @@ def test_settled_steps_run_vanilla_and_new_paths_are_still_analysed():
     # the branch taken later was analysed: its linear and tanh are new ops
     assert names.count("tanh") == 2 and names.count("linear") == 2 + 2
     assert backend_is_clean()
+
+
+def test_evaluate_reads_values_for_analysis():
+    values = []
+    tool = amanda.Tool()
+    tool.add_inst_for_op(lambda c: values.append(amanda.evaluate(c.get_inputs())))
+    x = torch.tensor([1.0, -2.0])
+    with amanda.apply(tool):
+        torch.relu(x)
+    assert len(values) == 1 and values[0][0].tolist() == [1.0, -2.0]
+    assert amanda.evaluate(3.0) == 3.0

@@ -25,3 +25,34 @@ def eager_drivers():
         if framework in sys.modules:
             drivers.append(importlib.import_module(module).DRIVER)
     return drivers
+
+
+# top-level module of a tensor's type -> runtime module exposing ``evaluate``
+VALUE_RUNTIMES = {
+    "torch": "amanda.runtime.pytorch",
+    "tensorflow": "amanda.runtime.tensorflow",
+}
+
+
+def evaluate(values):
+    """Values of backend tensors as NumPy arrays, for analysis routines.
+
+    A PyTorch tensor is read directly; a symbolic TensorFlow tensor (what
+    ``get_inputs()`` returns in graph mode) is computed in the session or
+    ``tf.function`` call being rewritten. Anything else goes through
+    ``numpy.asarray``.
+
+    Args:
+        values: one tensor, or a list of tensors of one backend.
+
+    Returns:
+        One array, or a list of arrays.
+    """
+    sample = values[0] if isinstance(values, (list, tuple)) and values else values
+    module = VALUE_RUNTIMES.get(type(sample).__module__.split(".")[0])
+    if module is None:
+        import numpy as np
+        if isinstance(values, (list, tuple)):
+            return [np.asarray(v) for v in values]
+        return np.asarray(values)
+    return importlib.import_module(module).evaluate(values)

@@ -828,3 +828,10 @@ class TorchEagerDriver:
 
 
 DRIVER = TorchEagerDriver()
+
+
+def evaluate(tensors):
+    """NumPy copies of PyTorch tensors (``amanda.evaluate``)."""
+    if isinstance(tensors, (list, tuple)):
+        return [t.detach().cpu().numpy() for t in tensors]
+    return tensors.detach().cpu().numpy()

@@ -47,7 +47,7 @@ in forward contexts of ops with a weight:
 
 Only the public API is used: ``context.get_op()``, ``get_backward_op()``,
 ``get_inputs()``, ``is_backward()``, ``namespace``, and for TF weight values
-`amanda.runtime.tensorflow.evaluate`. Frameworks are imported lazily, when a
+``amanda.evaluate``. Frameworks are imported lazily, when a
 rule for them runs.
 """
 
@@ -201,8 +201,8 @@ def tensorflow_weight_rule(context):
     position = context.get("weight_input")
     if context.is_backward() or position is None or "weight" in context:
         return
-    from amanda.runtime.tensorflow import evaluate
-    weight = np.asarray(evaluate(context.get_inputs()[position]))
+    import amanda
+    weight = np.asarray(amanda.evaluate(context.get_inputs()[position]))
     context["weight"] = weight
     dtype = weight.dtype
     context["as_tensor"] = lambda array: np.asarray(array, dtype=dtype)
