@@ -151,9 +151,15 @@ def _is_tensor(value):
 
 # -- per-op records ---------------------------------------------------------
 
+# Backward ops whose hooks were installed this many steps without ever running
+# are taken for dead (e.g. BERT's pooler when the loss reads only
+# last_hidden_state): their analysis is dropped so the forward op can go fast.
+_DEAD_AFTER = 3
+
+
 class _BackwardRecord:
     __slots__ = ("op_id", "name", "index", "parent", "context", "pre_done", "post_done",
-                 "before", "after", "replace")
+                 "before", "after", "replace", "unrun")
 
     def __init__(self, parent, index, name, session):
         self.parent = parent
@@ -164,6 +170,17 @@ class _BackwardRecord:
         self.pre_done = not session.routines[BACKWARD_BEFORE]
         self.post_done = not session.routines[BACKWARD_AFTER]
         self.before, self.after, self.replace = [], [], []
+        self.unrun = 0   # steps hooked for analysis without running
+
+    def waiting(self):
+        """Whether analysis hooks are still worth installing on this op."""
+        if self.pre_done and self.post_done:
+            return False
+        self.unrun += 1
+        if self.unrun > _DEAD_AFTER:
+            self.pre_done = self.post_done = True
+            return False
+        return True
 
     @property
     def idle(self):
@@ -659,6 +676,9 @@ def _walk_new_nodes(outputs, mark, owner):
 def _install_backward(session, record, nodes):
     for index, node in enumerate(nodes):
         brec = record.backward_record(index, type(node).__name__)
+        pending = brec.waiting()
+        if not pending and not (brec.before or brec.after or brec.replace):
+            continue
         if node._sequence_nr() == _ACCUMULATE:
             # Hooks reach their record through a holder: an accumulator kept
             # alive by an old graph is found again, and must not be hooked twice.
@@ -708,6 +728,7 @@ def _backward_pre(hooks, grad_outputs):
     session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
+    brec.unrun = 0
     if not brec.pre_done:
         context = _backward_context(brec)
         context._grad_outputs = grad_outputs
@@ -728,6 +749,7 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
     session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
+    brec.unrun = 0
     if not brec.post_done:
         context = _backward_context(brec)
         context._grad_outputs, context._grad_inputs = grad_outputs, grad_inputs
