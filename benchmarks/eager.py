@@ -86,8 +86,8 @@ LARGE_TARGETS = {"analysis-only": 1.02, "identity": 1.10}
 SMALL_TARGETS = {"analysis-only": 1.15, "identity": 2.0}
 
 MODELS = (
-    ModelSpec("BERT-base", _bert, repeats=11, targets=LARGE_TARGETS),
-    ModelSpec("ResNet-50", _resnet50, repeats=11, targets=LARGE_TARGETS),
+    ModelSpec("BERT-base", _bert, repeats=15, targets=LARGE_TARGETS),
+    ModelSpec("ResNet-50", _resnet50, repeats=15, targets=LARGE_TARGETS),
     ModelSpec("GPT-2 2-layer (small ops)", _gpt2_small, repeats=21, targets=SMALL_TARGETS,
               quick_repeats=7, steps_per_run=10),
 )
