@@ -24,7 +24,6 @@ hooks (which track the modules being called) are removed when the outermost
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import os
@@ -36,7 +35,6 @@ import torch
 from torch.nn.modules import module as _torch_module
 from torch.overrides import TorchFunctionMode
 
-import amanda
 from amanda import controls
 from amanda.context import OpContext, take_actions
 from amanda.errors import ToolError
