@@ -109,17 +109,8 @@ def run_instrumentation_pass(graph, session, backend, plan=None):
 
 def _analyse_forward(op, graph, session, backend):
     context = OpContext(backend.namespace, backend.raw_op(op), op.name, op.type)
-    context._ir_op, context._graph = op, graph
-    entry = OpActions(op, context)
-    if session.routines[FORWARD_BEFORE]:
-        context._inputs = backend.values(op.inputs)
-        session.analyse(FORWARD_BEFORE, context)
-    if session.routines[FORWARD_AFTER]:
-        context._inputs = backend.values(op.inputs)
-        context._outputs = backend.values(op.outputs)
-        session.analyse(FORWARD_AFTER, context)
-    _absorb(entry, context)
-    return entry
+    return _run_points(op, graph, session, backend, context,
+                       (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
 
 
 def _analyse_backward(op, graph, session, backend, plan):
@@ -133,15 +124,23 @@ def _analyse_backward(op, graph, session, backend, plan):
     else:
         context = OpContext(backend.namespace, None, None, None,
                             backward_op=backend.raw_op(op), backward_op_id=op.name)
+    return _run_points(op, graph, session, backend, context,
+                       (BACKWARD_BEFORE, BACKWARD_AFTER), ("_grad_outputs", "_grad_inputs"))
+
+
+def _run_points(op, graph, session, backend, context, points, slots):
+    """Run the routines of the op's before and after points: the op's inputs
+    are visible at both, its outputs at the after point only."""
+    (before, after), (input_slot, output_slot) = points, slots
     context._ir_op, context._graph = op, graph
+    if session.routines[before]:
+        setattr(context, input_slot, backend.values(op.inputs))
+        session.analyse(before, context)
+    if session.routines[after]:
+        setattr(context, input_slot, backend.values(op.inputs))
+        setattr(context, output_slot, backend.values(op.outputs))
+        session.analyse(after, context)
     entry = OpActions(op, context)
-    if session.routines[BACKWARD_BEFORE]:
-        context._grad_outputs = backend.values(op.inputs)
-        session.analyse(BACKWARD_BEFORE, context)
-    if session.routines[BACKWARD_AFTER]:
-        context._grad_outputs = backend.values(op.inputs)
-        context._grad_inputs = backend.values(op.outputs)
-        session.analyse(BACKWARD_AFTER, context)
     _absorb(entry, context)
     return entry
 

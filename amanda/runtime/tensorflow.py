@@ -655,15 +655,21 @@ def _patched_call_flat(self, tensor_inputs, captured_inputs):
     if (not sessions or controls.state.disabled or getattr(_tls, "live", None) is None
             or getattr(self, "_amanda_copy", False) or not tf.executing_eagerly()):
         return _original_call_flat(self, tensor_inputs, captured_inputs)
-    session = sessions[-1]
-    copies = session.caches.get("tensorflow_functions")
-    if copies is None:
-        copies = session.caches["tensorflow_functions"] = weakref.WeakKeyDictionary()
-    copy = copies.get(self)
-    if copy is None:
-        copy = copies[self] = _FunctionCopy(self, session)
+    copy = _cached_per_session(sessions[-1], "tensorflow_functions", self, _FunctionCopy)
     flat = copy.call(list(tensor_inputs) + list(captured_inputs))
     return self.function_type.pack_output(flat)
+
+
+def _cached_per_session(session, kind, user_object, make):
+    """The amanda session's instrumented stand-in for a user session or
+    function, made on first use and dropped with the user object."""
+    table = session.caches.get(kind)
+    if table is None:
+        table = session.caches[kind] = weakref.WeakKeyDictionary()
+    made = table.get(user_object)
+    if made is None:
+        made = table[user_object] = make(user_object, session)
+    return made
 
 
 # -- the driver -------------------------------------------------------------------
@@ -703,13 +709,7 @@ def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if controls.state.disabled:   # amanda.disabled(), or a rule running the user's graph
         _hand_back(self)
         return _original_run(self, fetches, feed_dict, options, run_metadata)
-    session = sessions[-1]
-    shadows = session.caches.get("tensorflow")
-    if shadows is None:
-        shadows = session.caches["tensorflow"] = weakref.WeakKeyDictionary()
-    shadow = shadows.get(self)
-    if shadow is None:
-        shadow = shadows[self] = _Shadow(self, session)
+    shadow = _cached_per_session(sessions[-1], "tensorflow", self, _Shadow)
     shadow.refresh(feed_dict)
     _activate(shadow)
     return shadow.run(fetches, feed_dict, options, run_metadata)
