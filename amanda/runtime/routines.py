@@ -46,14 +46,19 @@ def call_routine(action, selected, is_tensor, where):
         raise _error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
     if result is None:
         return None
+    if type(result) is tuple or type(result) is list:
+        if len(result) == len(selected):
+            for new, old in zip(result, selected):
+                if new is not old:
+                    break
+            else:
+                return None   # handed back its inputs: nothing is replaced
     if is_tensor(result):
         if len(selected) != 1:
             raise _error(action, where, f"returned one tensor but {len(selected)} tensors "
                          "were selected; return a sequence of that length or None")
         return [result]
     if isinstance(result, (tuple, list)):
-        if len(result) == len(selected) and all(r is s for r, s in zip(result, selected)):
-            return None   # handed back its inputs: nothing is replaced
         if len(result) != len(selected):
             raise _error(action, where, f"returned {len(result)} values for "
                          f"{len(selected)} selected tensors")
