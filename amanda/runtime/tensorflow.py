@@ -269,9 +269,22 @@ class _GraphRewrite:
         return True
 
     def tensor(self, name):
-        """The tensor of the copy that stands for the user's tensor ``name``."""
+        """The tensor of the copy that stands for the user's tensor ``name``.
+
+        Where its op has after-routines that pass no tensor, the tensor is read
+        through an identity that waits for them, so fetching it runs them too
+        (a fetched gradient has no consumer that would wait on them).
+        """
         final = self.final.get(name)
-        return final if final is not None else self.copy.get_tensor_by_name(name)
+        if final is not None:
+            return final
+        tensor = self.copy.get_tensor_by_name(name)
+        last = self.last_after.get(tensor.op.name)
+        if last is not None:
+            with self.copy.as_default(), tf.control_dependencies([last]):
+                tensor = tf.identity(tensor, name="amanda/fetch")
+            self.final[name] = tensor
+        return tensor
 
     def operation(self, name):
         """What to run in the copy for the user's operation ``name``: the op,

@@ -9,9 +9,17 @@ import amanda  # noqa: E402
 from amanda.tools.debugging import NanDetector, OpStatistics  # noqa: E402
 
 
-def assign_op_of(variable_name, graph):
-    """The initializer's assign op of ``variable_name`` (no op is added)."""
-    op = graph.get_operation_by_name(variable_name + "/Assign")
+def dense_kernel(graph):
+    """The Dense layer's kernel variable op. Keras numbers layer names per
+    process (``dense``, ``dense_1``...), so it is found by shape of name."""
+    (op,) = [op for op in graph.get_operations() if op.type == "VarHandleOp"
+             and op.name.split("/")[-2].startswith("dense") and op.name.endswith("/kernel")]
+    return op
+
+
+def assign_op_of(variable_op, graph):
+    """The initializer's assign op of the variable (no op is added)."""
+    op = graph.get_operation_by_name(variable_op.name + "/Assign")
     return op, op.inputs[1]
 
 
@@ -20,8 +28,10 @@ def test_nan_in_dense_kernel_names_the_dense_matmul(keras_cnn_graph):
     image = np.random.default_rng(0).random((2, 16, 16, 3), np.float32)
     with tf.compat.v1.Session(graph=model.graph) as session:
         session.run(model.init)
-        assign, value = assign_op_of("sequential/dense/kernel", model.graph)
-        kernel = session.run(model.graph.get_tensor_by_name("sequential/dense/kernel/Read/ReadVariableOp:0"))
+        variable = dense_kernel(model.graph)
+        assign, value = assign_op_of(variable, model.graph)
+        kernel = session.run(model.graph.get_tensor_by_name(
+            variable.name + "/Read/ReadVariableOp:0"))
         kernel[3, 2] = np.nan
         session.run(assign, {value: kernel})
         tool = NanDetector()

@@ -1,0 +1,378 @@
+"""FLOPs profiler: count the floating-point operations every op executes.
+
+:class:`FlopsProfiler` depends on a :class:`~amanda.tools.mapping.MappingTool`
+with :data:`amanda.tools.mapping_rules.RULES`, so it reads backend-neutral op
+types (``context["type"]``) and works on PyTorch (eager) and TensorFlow
+(``tf.compat.v1`` graphs) alike. Its forward analysis routine (registered with
+``require_outputs=True``) computes the op's FLOPs once, from the shapes of
+``context.get_inputs()`` / ``get_outputs()`` (PyTorch tensors, or TF symbolic
+tensors with static shapes), and inserts an observe-only instrumentation
+routine that adds them each time the op executes: counts are per execution,
+with amanda's analysis cache on.
+
+Conventions (see docs/tools/flops.md):
+
+* a multiply-add counts as 2 FLOPs, as in ``torch.utils.flop_counter.FlopCounterMode``;
+* biases of convolutions and linear layers are not counted (as in
+  ``FlopCounterMode``); a separate ``BiasAdd`` op (TF) is element-wise;
+* backward: each backward op that computes a gradient of a convolution or
+  matrix product is charged the forward FLOPs of its op once per gradient
+  operand it computes (input and weight: 2x forward). In PyTorch the single
+  ``ConvolutionBackward0`` / ``AddmmBackward0`` / ``MmBackward0`` /
+  ``BmmBackward0`` node gets 2x forward; in TF ``Conv2DBackpropInput`` and
+  ``Conv2DBackpropFilter`` (and the two gradient ``MatMul`` ops) get 1x each.
+  Other backward ops are not counted.
+* op types without a formula are counted in :attr:`FlopsProfiler.unknown`
+  (type -> executions), never silently as zero; ops without arithmetic
+  (views, reshapes, copies, lookups) are in :data:`ZERO_FLOP_TYPES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import amanda
+from amanda.tools import mapping_rules
+from amanda.tools.mapping import MappingTool
+
+__all__ = ["FlopsProfiler", "FORMULAS", "ZERO_FLOP_TYPES", "MATMUL_TYPES", "CONV_TYPES",
+           "BACKWARD_TYPES"]
+
+#: Convolutions: 2 * output elements * (Cin / groups * kernel area).
+CONV_TYPES = frozenset({"conv1d", "conv2d", "conv3d", "depthwise_conv2d", "convolution",
+                        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+#: Matrix products: 2 * output elements * contracted dimension.
+MATMUL_TYPES = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
+                          "batch_mat_mul", "einsum_matmul"})
+#: Forward types whose backward ops are counted (2x forward, see module doc).
+BACKWARD_TYPES = CONV_TYPES | MATMUL_TYPES
+
+#: Element-wise ops: 1 FLOP per output element (transcendentals included).
+ELEMENTWISE_TYPES = frozenset({
+    "add", "iadd", "radd", "sub", "isub", "rsub", "mul", "imul", "rmul", "div", "idiv",
+    "truediv", "itruediv", "rtruediv", "floordiv", "real_div", "floor_div", "neg", "abs",
+    "pow", "rpow", "sqrt", "rsqrt", "exp", "log", "reciprocal", "square", "squared_difference",
+    "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "elu", "selu", "leaky_relu", "hardtanh",
+    "softplus", "erf", "clamp", "clip_by_value", "maximum", "minimum", "where", "masked_fill",
+    "bias_add", "add_v2", "sign", "floor", "ceil", "round", "dropout_train", "select_v2",
+    "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "logical_and",
+    "logical_or", "logical_not", "gelu_tanh", "le", "lt", "ge", "gt", "eq", "ne",
+})
+#: Reductions and pooling: 1 FLOP per input element.
+REDUCTION_TYPES = frozenset({
+    "sum", "mean", "max", "min", "prod", "amax", "amin", "cumsum", "argmax", "argmin",
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool",
+    "avg_pool", "norm",
+})
+#: Normalisations: 5 FLOPs per element (statistics, normalise, affine).
+NORM_TYPES = frozenset({"layer_norm", "batch_norm", "group_norm", "instance_norm",
+                        "fused_batch_norm", "rms_norm"})
+#: Softmax: 3 FLOPs per element (exp, sum, divide).
+SOFTMAX_TYPES = frozenset({"softmax", "log_softmax"})
+
+#: Ops without arithmetic: views, shape manipulation, copies, lookups, constants.
+ZERO_FLOP_TYPES = frozenset({
+    # PyTorch
+    "reshape", "view", "flatten", "transpose", "permute", "t", "contiguous", "expand",
+    "expand_as", "getitem", "setitem", "squeeze", "unsqueeze", "split", "chunk", "cat",
+    "stack", "to", "clone", "detach", "type", "float", "half", "int", "long", "bool",
+    "arange", "tensor", "zeros", "ones", "zeros_like", "ones_like", "full", "empty",
+    "gather", "index_select", "embedding", "dropout", "size", "narrow", "repeat",
+    "new_ones", "new_zeros", "masked_select", "unbind", "tril", "triu", "copy",
+    "identity", "roll", "flip", "pad", "cpu", "cuda", "numpy", "item", "len", "dim",
+    "numel", "is_floating_point", "finfo", "get_device", "contiguous_", "as_strided",
+    "rand", "randn", "randint", "rand_like", "randn_like", "empty_like", "full_like",
+    # TensorFlow
+    "shape", "read_variable_op", "var_handle_op", "variable_v2", "const", "placeholder",
+    "no_op", "cast", "concat_v2", "strided_slice", "slice", "expand_dims", "pack", "unpack",
+    "squeeze", "gather_v2", "resource_gather", "fill", "range", "zeros_like", "ones_like",
+    "identity_n", "stop_gradient", "prevent_gradient", "pad_v2", "mirror_pad", "tile",
+    "broadcast_to", "size", "rank", "split_v", "assign_variable_op", "shape_n",
+    "broadcast_args", "broadcast_gradient_args", "transpose", "reshape", "check_numerics",
+})
+
+
+def _numel(shape):
+    return int(math.prod(shape))
+
+
+def _shape(tensor):
+    """A tensor's fully known shape as a tuple of ints, or None."""
+    shape = getattr(tensor, "shape", None)
+    if shape is None:
+        return None
+    try:
+        dims = tuple(shape)
+    except TypeError:  # a TF TensorShape of unknown rank
+        return None
+    result = []
+    for d in dims:
+        d = getattr(d, "value", d)  # TF1 Dimension
+        if d is None:
+            return None
+        result.append(int(d))
+    return tuple(result)
+
+
+def _attr(op, name, default=False):
+    get_attr = getattr(op, "get_attr", None)
+    if get_attr is None:
+        return default
+    try:
+        return get_attr(name)
+    except (ValueError, KeyError, TypeError):
+        return default
+    except Exception:  # noqa: BLE001 - any backend error means "no such attr"
+        return default
+
+
+def _conv(op_type, ins, out, op, tf):
+    weight = ins[1]
+    if op_type.startswith("conv_transpose"):
+        # weight (Cin, Cout/groups, k...): each input element feeds Cout/g*k outputs
+        return 2 * _numel(ins[0]) * _numel(weight[1:])
+    if tf:
+        if op_type == "depthwise_conv2d":  # filter (KH, KW, Cin, multiplier)
+            return 2 * _numel(out) * _numel(weight[:2])
+        return 2 * _numel(out) * _numel(weight[:-1])  # filter HWIO: KH*KW*Cin
+    return 2 * _numel(out) * _numel(weight[1:])  # weight (Cout, Cin/g, k...)
+
+
+def _matmul(op_type, ins, out, op, tf):
+    if tf:
+        a = ins[0]
+        if op.type == "MatMul":
+            k = a[0] if _attr(op, "transpose_a") else a[1]
+        else:  # BatchMatMul*: adj_x
+            k = a[-2] if _attr(op, "adj_x") else a[-1]
+        return 2 * _numel(out) * k
+    if op_type == "linear":
+        return 2 * _numel(out) * ins[1][-1]  # weight (out, in)
+    a = ins[1] if op_type in ("addmm", "baddbmm") else ins[0]
+    return 2 * _numel(out) * a[-1]
+
+
+def _sdpa(op_type, ins, out, op, tf):
+    # the two matrix products q @ k^T and p @ v, as FlopCounterMode counts
+    q, k, v = ins[:3]
+    rows = _numel(q[:-1])
+    return 2 * rows * k[-2] * q[-1] + 2 * rows * k[-2] * v[-1]
+
+
+def _per_output(factor):
+    return lambda op_type, ins, out, op, tf: factor * _numel(out)
+
+
+def _per_input(factor):
+    return lambda op_type, ins, out, op, tf: factor * _numel(ins[0])
+
+
+#: Canonical type -> formula(type, input shapes, first output shape, op, is_tf).
+FORMULAS = {}
+FORMULAS.update({t: _conv for t in CONV_TYPES})
+FORMULAS.update({t: _matmul for t in MATMUL_TYPES})
+FORMULAS["scaled_dot_product_attention"] = _sdpa
+FORMULAS.update({t: _per_output(1) for t in ELEMENTWISE_TYPES})
+FORMULAS.update({t: _per_input(1) for t in REDUCTION_TYPES})
+FORMULAS.update({t: _per_input(5) for t in NORM_TYPES})
+FORMULAS.update({t: _per_input(3) for t in SOFTMAX_TYPES})
+
+# TensorFlow op types whose canonical type needs renaming.
+_TF_ALIASES = {"batch_mat_mul_v2": "matmul", "batch_mat_mul_v3": "matmul",
+               "fused_batch_norm": "batch_norm", "fused_batch_norm_v2": "batch_norm",
+               "add_v2": "add", "real_div": "div", "max_pool2d": "max_pool2d",
+               "conv2_d": "conv2d", "identity": "identity"}
+
+# Backward ops that compute the gradients of a convolution / matrix product,
+# and how many forward-FLOPs each is charged.
+_TORCH_BACKWARD = {"ConvolutionBackward0": 2, "AddmmBackward0": 2, "MmBackward0": 2,
+                   "BmmBackward0": 2, "BaddbmmBackward0": 2, "LinearBackward0": 2,
+                   "MvBackward0": 2, "ConvolutionBackwardBackward0": 2}
+_TF_BACKWARD = {"Conv2DBackpropInput": 1, "Conv2DBackpropFilter": 1,
+                "Conv2DBackpropInputV2": 1, "Conv2DBackpropFilterV2": 1,
+                "DepthwiseConv2dNativeBackpropInput": 1,
+                "DepthwiseConv2dNativeBackpropFilter": 1,
+                "MatMul": 1, "BatchMatMul": 1, "BatchMatMulV2": 1, "BatchMatMulV3": 1}
+
+
+def normalise_type(op_type):
+    """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF
+    aliases onto the formula table's names."""
+    if op_type is None:
+        return None
+    name = op_type.strip("_")
+    return _TF_ALIASES.get(name, name)
+
+
+class FlopsProfiler(amanda.Tool):
+    """Count forward (and backward) FLOPs per op execution.
+
+    Args:
+        backward: also count the backward FLOPs of convolutions and matrix
+            products (see the module doc for the convention).
+
+    Attributes:
+        unknown: ``Counter`` of op types without a formula -> executions.
+        records: op id -> dict(name, type, module, flops, calls) for every
+            forward op with a nonzero count.
+    """
+
+    def __init__(self, backward=True):
+        super().__init__()
+        self.depends_on(MappingTool(rules=mapping_rules.RULES))
+        self.unknown = Counter()
+        self.records = {}
+        self._flops = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        self._by_module = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        self.add_inst_for_op(self.forward_analysis, require_outputs=True)
+        if backward:
+            self.add_inst_for_op(self.backward_analysis, backward=True)
+
+    # -- analysis ------------------------------------------------------------
+    def forward_analysis(self, context):
+        op_type = normalise_type(context.get("type"))
+        if op_type is None:
+            op_type = normalise_type(context.get_op_name())
+        tf = context.namespace.startswith("tensorflow")
+        module = self._module(context, tf)
+        if op_type in ZERO_FLOP_TYPES:
+            return
+        formula = FORMULAS.get(op_type)
+        flops = None
+        if formula is not None:
+            flops = self._compute(formula, op_type, context, tf)
+        if flops is None:
+            label = op_type if formula is None else f"{op_type} (shape unknown)"
+            context.insert_after_op(self._count_unknown, outputs=[], label=label)
+            return
+        context["flops"] = flops
+        context["flops_type"] = op_type
+        context["flops_module"] = module
+        if flops == 0:
+            return
+        key = (context.namespace, context.get_op_id())
+        self.records[key] = {"name": context.get_op_name(), "type": op_type,
+                             "module": module, "flops": flops, "calls": 0}
+        context.insert_after_op(self._count, outputs=[], key=key, op_type=op_type,
+                                module=module, flops=flops)
+
+    def backward_analysis(self, context):
+        flops = context.get("flops")
+        op_type = context.get("flops_type")
+        if not flops or op_type not in BACKWARD_TYPES:
+            return
+        backward_op = context.get_backward_op()
+        if context.namespace.startswith("tensorflow"):
+            factor = _TF_BACKWARD.get(getattr(backward_op, "type", None), 0)
+        else:
+            factor = _TORCH_BACKWARD.get(type(backward_op).__name__,
+                                         _TORCH_BACKWARD.get(getattr(backward_op, "__name__", ""), 0))
+        if factor:
+            context.insert_after_backward_op(self._count_backward, grad_inputs=[],
+                                             op_type=op_type, module=context.get("flops_module"),
+                                             flops=factor * flops)
+
+    @staticmethod
+    def _module(context, tf):
+        if tf:
+            op = context.get_op()
+            name = getattr(op, "name", "") or ""
+            return name.rsplit("/", 1)[0] if "/" in name else ""
+        return context.get_module_path()
+
+    @staticmethod
+    def _compute(formula, op_type, context, tf):
+        ins = [_shape(t) for t in context.get_inputs()]
+        outs = [_shape(t) for t in context.get_outputs()]
+        if not outs or outs[0] is None:
+            return None
+        if formula in (_conv, _matmul):
+            needed = 3 if op_type in ("addmm", "baddbmm") and not tf else 2
+        elif formula is _sdpa:
+            needed = 3
+        elif op_type in ELEMENTWISE_TYPES:
+            needed = 0
+        else:
+            needed = 1
+        if len(ins) < needed or any(s is None for s in ins[:needed]):
+            return None
+        try:
+            return int(formula(op_type, ins, outs[0], context.get_op(), tf))
+        except (IndexError, TypeError):
+            return None
+
+    # -- instrumentation routines (observe only) -----------------------------
+    def _count(self, *tensors, key, op_type, module, flops):
+        self.records[key]["calls"] += 1
+        self._flops["forward"][op_type] += flops
+        self._by_module["forward"][module] += flops
+
+    def _count_backward(self, *tensors, op_type, module, flops):
+        self._flops["backward"][op_type] += flops
+        self._by_module["backward"][module] += flops
+
+    def _count_unknown(self, *tensors, label):
+        self.unknown[label] += 1
+
+    # -- report --------------------------------------------------------------
+    def _phases(self, phase):
+        if phase == "all":
+            return ("forward", "backward")
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward', 'backward' or 'all', got {phase!r}")
+        return (phase,)
+
+    def total(self, phase="all"):
+        """Total FLOPs counted: ``phase`` is "forward", "backward" or "all"."""
+        return sum(sum(self._flops[p].values()) for p in self._phases(phase))
+
+    def by_type(self, phase="all"):
+        """Canonical op type -> FLOPs, largest first."""
+        return self._merge(self._flops, phase)
+
+    def by_module(self, phase="all"):
+        """Module path (PyTorch; TF: the op's name scope) -> FLOPs, largest
+        first. Ops outside any module are under None."""
+        return self._merge(self._by_module, phase)
+
+    def _merge(self, table, phase):
+        merged = Counter()
+        for p in self._phases(phase):
+            merged.update(table[p])
+        return dict(sorted(merged.items(), key=lambda item: -item[1]))
+
+    def reset(self):
+        """Forget all counts (the analysis stays cached: ops keep counting)."""
+        for table in (self._flops, self._by_module):
+            for p in table.values():
+                p.clear()
+        for record in self.records.values():
+            record["calls"] = 0
+        self.unknown.clear()
+
+    def table(self, top=None):
+        """A readable text report: FLOPs by type (forward/backward), totals and
+        unknown op types."""
+        forward, backward = self._flops["forward"], self._flops["backward"]
+        types = sorted(set(forward) | set(backward),
+                       key=lambda t: -(forward.get(t, 0) + backward.get(t, 0)))
+        if top is not None:
+            types = types[:top]
+        width = max([len("type")] + [len(t) for t in types])
+        lines = [f"{'type':<{width}}  {'forward':>16}  {'backward':>16}",
+                 f"{'-' * width}  {'-' * 16}  {'-' * 16}"]
+        for t in types:
+            lines.append(f"{t:<{width}}  {forward.get(t, 0):>16,}  {backward.get(t, 0):>16,}")
+        lines.append(f"{'-' * width}  {'-' * 16}  {'-' * 16}")
+        lines.append(f"{'total':<{width}}  {self.total('forward'):>16,}  "
+                     f"{self.total('backward'):>16,}")
+        if self.unknown:
+            listed = ", ".join(f"{t} x{n}" for t, n in sorted(self.unknown.items()))
+            lines.append(f"unknown (not counted): {listed}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"FlopsProfiler(forward={self.total('forward'):,}, "
+                f"backward={self.total('backward'):,}, unknown={len(self.unknown)} types)")

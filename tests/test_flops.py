@@ -1,0 +1,109 @@
+"""FlopsProfiler on PyTorch: per-execution counts, and agreement with
+torch.utils.flop_counter.FlopCounterMode on real transformers models."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import amanda  # noqa: E402
+from amanda.tools.flops import FlopsProfiler  # noqa: E402
+
+# amanda types whose FLOPs FlopCounterMode also counts (convolutions and
+# matrix products; CPU scaled_dot_product_attention is not counted by it)
+COMPARABLE = {"conv2d", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
+
+
+def profile(model, x, runs=1):
+    profiler = FlopsProfiler()
+    with torch.no_grad(), amanda.apply(profiler):
+        for _ in range(runs):
+            model(x)
+    return profiler
+
+
+def reference(model, x):
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(x)
+    return counter.get_total_flops()
+
+
+def comparable(profiler):
+    return sum(v for t, v in profiler.by_type("forward").items() if t in COMPARABLE)
+
+
+def test_linear_counts_per_execution_and_reports():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.rand(3, 16)
+    profiler = profile(model, x, runs=3)
+    per_run = 2 * 3 * 16 * 32 + 2 * 3 * 32 * 4
+    assert profiler.by_type("forward")["linear"] == 3 * per_run
+    assert profiler.by_type("forward")["relu"] == 3 * 3 * 32
+    assert profiler.total("forward") == 3 * (per_run + 3 * 32)
+    assert profiler.by_module("forward")["0"] == 3 * 2 * 3 * 16 * 32
+    assert not profiler.unknown
+    assert "linear" in profiler.table() and "total" in profiler.table()
+
+
+def test_backward_is_twice_forward_for_conv_and_linear(cnn):
+    x = torch.rand(2, 3, 32, 32)
+    profiler = FlopsProfiler()
+    with amanda.apply(profiler):
+        cnn(x).sum().backward()
+    forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
+    assert forward["conv2d"] > 0 and forward["linear"] > 0
+    assert backward == {"conv2d": 2 * forward["conv2d"], "linear": 2 * forward["linear"]}
+    assert profiler.total() == profiler.total("forward") + profiler.total("backward")
+
+
+def test_unknown_ops_are_listed_not_zero():
+    def f(x):
+        return torch.special.bessel_j0(x)
+
+    profiler = FlopsProfiler()
+    with amanda.apply(profiler):
+        f(torch.rand(4))
+    assert profiler.total() == 0
+    assert profiler.unknown == {"special_bessel_j0": 1}
+    assert "unknown" in profiler.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_transformers_match_flop_counter_mode(name):
+    transformers = pytest.importorskip("transformers")
+    x = torch.ones(1, 8, dtype=torch.long)
+    if name == "bert":
+        build = lambda **kw: transformers.BertModel(transformers.BertConfig(**kw)).eval()  # noqa: E731
+    else:
+        build = lambda **kw: transformers.GPT2Model(transformers.GPT2Config(**kw)).eval()  # noqa: E731
+    # eager attention: its matmuls are counted by both
+    model = build(attn_implementation="eager")
+    profiler = profile(model, x, runs=2)
+    expected = reference(model, x)
+    assert comparable(profiler) == pytest.approx(2 * expected, rel=0.01)
+    assert not profiler.unknown or set(profiler.unknown) <= {"le"}
+    # default (sdpa) attention: the same FLOPs, under scaled_dot_product_attention
+    sdpa = profile(build(), x)
+    eager = profiler.by_type("forward")
+    assert sdpa.by_type("forward")["scaled_dot_product_attention"] == eager["matmul"] // 2
+    assert comparable(sdpa) + sdpa.by_type("forward")["scaled_dot_product_attention"] \
+        == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.slow
+def test_resnet50_matches_flop_counter_mode():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.ResNetModel(transformers.ResNetConfig()).eval()
+    x = torch.rand(1, 3, 224, 224)
+    profiler = profile(model, x)
+    expected = reference(model, x)
+    assert comparable(profiler) == pytest.approx(expected, rel=0.01)
+    assert profiler.by_type("forward")["conv2d"] == expected  # exact
+    assert sum(r["type"] == "conv2d" for r in profiler.records.values()) == 53
+    assert not profiler.unknown
