@@ -12,6 +12,7 @@ from amanda.context import Action, OpContext
 from amanda.controls import (ad_disabled, ad_enabled, cache_disabled, cache_enabled,
                              disabled, enabled)
 from amanda.errors import AmandaError, BackendError, DependencyError, ToolError
+from amanda.instrumentation import instrument
 from amanda.runtime import evaluate
 from amanda.tool import Tool, apply
 
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Action", "AmandaError", "BackendError", "DependencyError", "OpContext", "Tool",
     "ToolError", "ad_disabled", "ad_enabled", "apply", "cache_disabled", "cache_enabled",
-    "disabled", "enabled", "evaluate", "tool", "tools", "ir",
+    "disabled", "enabled", "evaluate", "instrument", "tool", "tools", "ir",
 ]
 
 

@@ -28,6 +28,10 @@ class GraphBackend:
 
     namespace = ""
 
+    def __init__(self, namespace=None):
+        if namespace is not None:
+            self.namespace = namespace
+
     def raw_op(self, ir_op):
         """The backend's op object for an IR op (``get_op()``)."""
         return ir_op

@@ -59,6 +59,7 @@ class TFGraphBackend(GraphBackend):
     namespace = NAMESPACE
 
     def __init__(self, tf_graph):
+        super().__init__()
         self.tf_graph = tf_graph
 
     def raw_op(self, ir_op):
@@ -773,3 +774,21 @@ class TensorFlowGraphDriver:
 
 
 DRIVER = TensorFlowGraphDriver()
+
+
+_EXPORTED = []   # rewrites whose GraphDefs were handed out: their callbacks stay registered
+
+
+def instrument_graph(graph, session):
+    """``amanda.instrument`` for a ``tf.Graph`` or ``GraphDef``: the GraphDef
+    of an instrumented copy. Routines are ``tf.numpy_function`` callbacks
+    registered in this process, so the result runs in this process only."""
+    if isinstance(graph, tf.compat.v1.GraphDef):
+        user = tf.Graph()
+        with user.as_default():
+            tf.import_graph_def(graph, name="")
+        graph = user
+    rewrite = _GraphRewrite(graph, session, tf.Graph())
+    rewrite.refresh()
+    _EXPORTED.append(rewrite)
+    return rewrite.copy.as_graph_def()

@@ -1,0 +1,65 @@
+"""Graph-level instrumentation: ``amanda.instrument(program, *tools)``.
+
+Returns the instrumented program of the same kind and never modifies the
+input: this is how instrumented graphs are exported. Supported kinds, by the
+module the program's type comes from:
+
+* ``amanda.ir.Graph`` -> ``amanda.ir.Graph`` with one ``amanda.routine`` op per
+  action (see :mod:`amanda.passes.lower_actions`);
+* ``tf.Graph`` / ``GraphDef`` -> ``GraphDef`` of an instrumented copy whose
+  routines are in-process callbacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from amanda import controls
+from amanda.errors import BackendError
+from amanda.tool import session_for
+
+# top-level module of the program's type -> (module, function(program, session))
+_INSTRUMENTERS = {
+    "amanda": ("amanda.instrumentation", "instrument_ir"),
+    "tensorflow": ("amanda.runtime.tensorflow", "instrument_graph"),
+}
+
+
+def instrument(program, *tools):
+    """Instrument a whole program at once with ``tools``.
+
+    Args:
+        program: an :class:`amanda.ir.Graph`, a ``tf.Graph`` or a ``GraphDef``.
+        *tools: the tools to apply (with their dependencies).
+
+    Returns:
+        The instrumented program, of the same kind (a ``GraphDef`` for TF).
+
+    Raises:
+        BackendError: no backend instruments programs of this kind.
+        ToolError: an analysis routine failed.
+    """
+    kind = type(program).__module__.split(".")[0]
+    entry = _INSTRUMENTERS.get(kind)
+    if entry is None:
+        raise BackendError(f"amanda.instrument cannot instrument a {type(program).__name__} "
+                           f"(supported: {', '.join(sorted(_INSTRUMENTERS))} programs)")
+    module, function = entry
+    session = session_for(tools)
+    state = controls.state
+    saved, state.disabled = state.disabled, True   # analysis calls are not instrumented
+    try:
+        return getattr(importlib.import_module(module), function)(program, session)
+    finally:
+        state.disabled = saved
+
+
+def instrument_ir(graph, session):
+    """``amanda.instrument`` for an :class:`amanda.ir.Graph`."""
+    from amanda.ir import Graph
+    from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
+    from amanda.passes.lower_actions import lower_actions
+    if not isinstance(graph, Graph):
+        raise BackendError(f"amanda.instrument cannot instrument a {type(graph).__name__}")
+    plan = run_instrumentation_pass(graph, session, GraphBackend(graph.namespace))
+    return lower_actions(graph, plan)
