@@ -14,7 +14,7 @@ export TRANSFORMERS_VERBOSITY := error
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip setuptools wheel
-	$(PIP) -e ".[torch,tensorflow,dev]"
+	$(PIP) -e ".[torch,tensorflow,onnx,graph,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
