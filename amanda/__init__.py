@@ -21,13 +21,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Action", "AmandaError", "BackendError", "DependencyError", "OpContext", "Tool",
     "ToolError", "ad_disabled", "ad_enabled", "apply", "cache_disabled", "cache_enabled",
-    "disabled", "enabled", "evaluate", "instrument", "tool", "tools", "ir",
+    "disabled", "enabled", "evaluate", "instrument", "tool", "tools", "ir", "portable",
 ]
 
 
 def __getattr__(name):
     # Subpackages load on first access so `import amanda` stays light.
-    if name in ("tools", "ir", "frontends", "passes", "runtime"):
+    if name in ("tools", "ir", "frontends", "passes", "runtime", "portable"):
         import importlib
         return importlib.import_module(f"amanda.{name}")
     raise AttributeError(f"module 'amanda' has no attribute {name!r}")
