@@ -8,9 +8,15 @@ get back a :class:`Workload`:
 * ``path/to/file.py:factory``, where ``factory()`` returns ``(model, inputs)``
   with ``inputs`` a tensor or a tuple of positional inputs.
 
-Other kinds of spec (``keras:resnet50``, ``model.onnx``) plug in as
-*resolvers* (:func:`register_resolver`): a predicate on the spec string and a
-loader returning a :class:`Workload`, tried in order after the built-in names.
+* ``keras:NAME[:SIZE]``: a Keras application (``keras:resnet50``,
+  ``keras:mobilenetv2:96``; ``weights=None``, input ``(1, SIZE, SIZE, 3)``,
+  SIZE 224 by default) or ``keras:cnn`` (the tutorial CNN in Keras), built in
+  a ``tf.compat.v1`` graph with its loss and weight gradients;
+* ``path/to/model.onnx``: an ONNX model (needs :mod:`amanda.runtime.onnx`).
+
+Kinds of spec other than built-in names plug in as *resolvers*
+(:func:`register_resolver`): a predicate on the spec string and a loader
+returning a :class:`Workload`, tried in order after the built-in names.
 
 Every workload is built under ``torch.manual_seed(0)`` and put in ``eval()``
 mode, so two loads give the same weights and inputs and no dropout noise.
@@ -44,7 +50,11 @@ class Workload:
         inputs: tuple of positional inputs for ``model``.
         step: ``step(model, inputs)`` runs forward, a scalar loss and backward,
             and returns the loss.
-        framework: the backend the model runs on (``"pytorch"``).
+        framework: the backend the model runs on (``"pytorch"``,
+            ``"tensorflow"``, ``"onnx"``).
+        forward_fn: ``forward_fn(model, inputs)`` runs the forward pass only
+            and returns the first output as a NumPy array (None: the PyTorch
+            default, :func:`default_forward`).
     """
 
     name: str
@@ -52,10 +62,17 @@ class Workload:
     inputs: tuple
     step: Callable[[Any, tuple], Any]
     framework: str = "pytorch"
+    forward_fn: Callable[[Any, tuple], Any] = None
 
     def run(self):
         """Run one step (forward + loss + backward) and return the loss."""
         return self.step(self.model, self.inputs)
+
+    def forward(self, inputs=None):
+        """Run the forward pass on ``inputs`` (default: the workload's) and
+        return the first floating-point output as a NumPy array."""
+        inputs = self.inputs if inputs is None else tuple(inputs)
+        return (self.forward_fn or default_forward)(self.model, inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +131,13 @@ def first_tensor(output):
             except ValueError:
                 continue
     raise ValueError(f"model output holds no floating-point tensor: {type(output).__name__}")
+
+
+def default_forward(model, inputs):
+    """Forward without autograd; the first floating-point output as NumPy."""
+    import torch
+    with torch.no_grad():
+        return first_tensor(model(*inputs)).detach().cpu().numpy()
 
 
 def default_step(model, inputs):
@@ -266,6 +290,173 @@ def _load_python_factory(spec):
 
 register_resolver("python factory (path/to/file.py:factory)", _is_python_factory,
                   _load_python_factory)
+
+
+# -- Keras applications in tf.compat.v1 graphs -----------------------------------
+
+KERAS_DEFAULT_SIZE = 224
+
+
+def _is_keras(spec):
+    return spec.startswith("keras:") and bool(spec[len("keras:"):])
+
+
+def _keras_cnn(size):
+    """The tutorial CNN in Keras (channels last)."""
+    import tensorflow as tf
+    layers = tf.keras.layers
+    return tf.keras.Sequential([
+        tf.keras.Input((size, size, 3)),
+        layers.Conv2D(32, 3), layers.Conv2D(32, 3), layers.MaxPooling2D(2),
+        layers.Conv2D(64, 3), layers.Conv2D(64, 3), layers.MaxPooling2D(2),
+        layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dense(10)])
+
+
+def keras_applications():
+    """Lower-case name -> constructor of every ``tf.keras.applications`` model."""
+    import tensorflow as tf
+    apps = tf.keras.applications
+    return {name.lower(): getattr(apps, name) for name in dir(apps)
+            if name[:1].isupper() and callable(getattr(apps, name))}
+
+
+class KerasGraphModel:
+    """A Keras model called on a placeholder in its own ``tf.compat.v1`` graph.
+
+    Attributes:
+        graph, session: the graph and a session with initialised variables.
+        keras_model: the Keras model.
+        x, y: input placeholder and output tensor.
+        loss: ``reduce_sum(y)``; grads: its gradients w.r.t. the trainable weights.
+        variables: the ``tf.Variable`` objects behind those weights.
+    """
+
+    def __init__(self, build, input_shape):
+        import tensorflow as tf
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.keras.utils.set_random_seed(SEED)
+            self.x = tf.compat.v1.placeholder(tf.float32, input_shape, name="x")
+            self.keras_model = build()
+            self.y = self.keras_model(self.x)
+            self.loss = tf.reduce_sum(self.y, name="loss")
+            weights = self.keras_model.trainable_weights
+            self.grads = tf.compat.v1.gradients(self.loss, weights)
+            self.variables = [w.value for w in weights]
+            init = tf.compat.v1.variables_initializer([w.value for w in self.keras_model.weights])
+        self.session = tf.compat.v1.Session(graph=self.graph)
+        self.session.run(init)
+
+
+def _keras_step(model, inputs):
+    values = model.session.run([model.loss] + list(model.grads), {model.x: inputs[0]})
+    return values[0]
+
+
+def _keras_forward(model, inputs):
+    return model.session.run(model.y, {model.x: inputs[0]})
+
+
+def _load_keras(spec):
+    name, _, size = spec[len("keras:"):].partition(":")
+    name = name.lower()
+    if size and not size.isdigit():
+        raise ModelSpecError(f"{spec}: the size after the name must be an int (keras:NAME:SIZE)")
+    size = int(size) if size else (32 if name == "cnn" else KERAS_DEFAULT_SIZE)
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        raise ModelSpecError(f"{spec}: Keras models need tensorflow") from None
+    if name == "cnn":
+        build = lambda: _keras_cnn(size)  # noqa: E731
+    else:
+        apps = keras_applications()
+        if name not in apps:
+            raise ModelSpecError(f"{spec}: no Keras application {name!r}; choose cnn or one "
+                                 f"of {', '.join(sorted(apps))}")
+        build = lambda: apps[name](weights=None, input_shape=(size, size, 3))  # noqa: E731
+    import numpy as np
+    model = KerasGraphModel(build, [1, size, size, 3])
+    inputs = (np.random.RandomState(SEED).rand(1, size, size, 3).astype(np.float32),)
+    return Workload(spec, model, inputs, _keras_step, framework="tensorflow",
+                    forward_fn=_keras_forward)
+
+
+register_resolver("Keras model (keras:resnet50, keras:cnn, keras:NAME:SIZE)", _is_keras,
+                  _load_keras)
+
+
+# -- ONNX files ----------------------------------------------------------------------
+
+_ONNX_RUNTIME = "amanda.runtime.onnx"
+
+
+def _is_onnx(spec):
+    return spec.endswith(".onnx")
+
+
+def onnx_runtime_available():
+    """Whether amanda's ONNX runtime (:mod:`amanda.runtime.onnx`) is installed."""
+    try:
+        return importlib.util.find_spec(_ONNX_RUNTIME) is not None
+    except ImportError:
+        return False
+
+
+def _onnx_feeds(model):
+    """Random inputs for an ONNX model's graph inputs (unknown dims: 1)."""
+    import numpy as np
+    from onnx import helper
+    rng = np.random.RandomState(SEED)
+    initializers = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        dtype = helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor_type.shape.dim]
+        if dtype.kind == "f":
+            feeds[value.name] = rng.rand(*shape).astype(dtype)
+        elif dtype.kind in "iu":
+            feeds[value.name] = rng.randint(0, 2, size=shape).astype(dtype)
+        else:
+            feeds[value.name] = np.zeros(shape, dtype)
+    return feeds
+
+
+def _onnx_forward(model, inputs):
+    import numpy as np
+    import onnxruntime
+    # created here so an enclosing amanda.apply(...) instruments it
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    outputs = session.run(None, inputs[0])
+    for value in outputs:
+        if np.asarray(value).dtype.kind == "f":
+            return np.asarray(value)
+    return np.asarray(outputs[0])
+
+
+def _load_onnx(spec):
+    if not os.path.isfile(spec):
+        raise ModelSpecError(f"ONNX file not found: {spec}")
+    if not onnx_runtime_available():
+        raise ModelSpecError(f"{spec}: running ONNX models needs amanda's ONNX runtime "
+                             f"({_ONNX_RUNTIME}), which is not installed in this tree yet")
+    import onnx
+    model = onnx.load(spec)
+    # ONNX has no backward: a step is one inference
+    return Workload(spec, model, (_onnx_feeds(model),), _onnx_forward, framework="onnx",
+                    forward_fn=_onnx_forward)
+
+
+register_resolver("ONNX file (path/to/model.onnx)", _is_onnx, _load_onnx)
+
+
+def spec_kinds():
+    """The names of the registered kinds of spec besides built-in names."""
+    return [name for name, _, _ in _RESOLVERS]
 
 
 def available():
