@@ -137,9 +137,13 @@ round.__doc__ = "Element-wise rounding, halves to even (as torch, TF, NumPy and 
 
 
 def identity(x):
-    """``x`` itself (an explicit no-op that still lowers as an op where useful)."""
-    if isinstance(x, Sym):
+    """``x`` unchanged: ``x`` itself in PyTorch and NumPy, an ``Identity`` op in
+    TF and ONNX graphs (so an inserted no-op is visible in the graph)."""
+    kind = _backend(x)
+    if kind == "sym":
         return x._unary("identity")
+    if kind == "tensorflow":
+        return _tf().identity(x)
     return x
 
 
@@ -393,9 +397,10 @@ class Sym:
                 tensors.append(self._tracer.constant(value, None))
         if out_dtype is None:
             out_dtype = reference.dtype
-        shape = _broadcast([t.attrs.get("shape") for t in tensors])
         if op_type in ("quantize", "dequantize", "fake_quant"):
-            shape = values[0].tensor.attrs.get("shape")
+            shape = values[0].tensor.attrs.get("shape")   # scale may be per channel
+        else:
+            shape = _broadcast([t.attrs.get("shape") for t in tensors])
         return self._tracer.op(op_type, tensors, out_dtype, shape, **attrs)
 
     # --- operators
@@ -474,9 +479,9 @@ class _Tracer:
     def __init__(self, graph):
         self.graph = graph
 
-    def op(self, op_type, inputs, dtype, shape, **attrs):
+    def op(self, op_type, inputs, out_dtype, shape, **attrs):
         op = self.graph.create_op(op_type, inputs, attrs=attrs, namespace=NAMESPACE)
-        op.outputs[0].attrs.update(dtype=dtype, shape=None if shape is None else list(shape))
+        op.outputs[0].attrs.update(dtype=out_dtype, shape=None if shape is None else list(shape))
         return Sym(self, op.outputs[0])
 
     def constant(self, value, like_dtype):

@@ -39,7 +39,7 @@ import tensorflow as tf
 from tensorflow.python.client import session as _tf_session
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
-from amanda import controls
+from amanda import controls, portable
 from amanda.errors import BackendError
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
@@ -353,6 +353,11 @@ class _GraphRewrite:
         inputs = [self._tensor_in_copy(t, made) for t in op.inputs]
         replacing = op.attrs["kind"].startswith("replace")
         like = list(target.outputs) if replacing else inputs
+        if portable.is_portable(action.func):
+            tensors = self._native(action, where, inputs, like, replacing, target)
+            self.realised[action] = tensors
+            self._record_final(op, tensors)
+            return tensors
         hosted = [i for i, t in enumerate(like) if _crosses_to_python(t.dtype)]
         if replacing and (len(hosted) != len(like) or len(inputs) != len(
                 [t for t in inputs if _crosses_to_python(t.dtype)])):
@@ -377,6 +382,24 @@ class _GraphRewrite:
             tensors[i] = new
         self.realised[action] = tensors
         self._record_final(op, tensors)
+        return tensors
+
+    def _native(self, action, where, inputs, like, replacing, target):
+        """Lower a portable routine as TF ops: call it once on the copy's
+        symbolic tensors (see :mod:`amanda.portable`)."""
+        with tf.name_scope(f"amanda/{action.kind}"):
+            results = call_routine(action, inputs, tf.is_tensor, where)
+        if replacing and (results is None or len(results) != len(like)):
+            raise BackendError(f"replace routine of {where[1]!r} must return "
+                               f"{len(like)} tensors")
+        tensors = list(like)
+        for i, new in enumerate(results or ()):
+            if new is None or new is like[i] or like[i].dtype._is_ref_dtype:
+                continue   # a v1 variable reference must stay one (its op may assign)
+            if new.dtype != like[i].dtype:
+                new = tf.cast(new, like[i].dtype)
+            new.set_shape(like[i].shape)
+            tensors[i] = new
         return tensors
 
     def _order(self, kind, target, routine):
@@ -684,6 +707,16 @@ def _cached_per_session(session, kind, user_object, make):
     if made is None:
         made = table[user_object] = make(user_object, session)
     return made
+
+
+def current_rewrite(user_session):
+    """The instrumented copy (``.copy`` is its ``tf.Graph``) standing for
+    ``user_session`` in the innermost ``amanda.apply`` scope, or None before
+    its first instrumented run. For inspection and tests."""
+    sessions = controls.state.sessions
+    table = sessions[-1].caches.get("tensorflow") if sessions else None
+    shadow = table.get(user_session) if table is not None else None
+    return shadow.rewrite if shadow is not None else None
 
 
 # -- the driver -------------------------------------------------------------------

@@ -113,9 +113,10 @@ def test_routines_change_values_on_a_keras_cnn(keras_cnn_graph):
         np.testing.assert_array_equal(session.run(model.y, {model.x: image + 1}), y)
 
 
-def assert_identity_is_bit_exact(model, inputs, config=None):
+def assert_identity_is_bit_exact(model, inputs, config=None, portable=False):
     """Identity routines around every forward and backward op change no bit
-    of the outputs and gradients, compared in the same session."""
+    of the outputs and gradients, compared in the same session. ``portable``
+    routines are lowered as TF ``Identity`` ops instead of Python callbacks."""
     before = snapshot(model.graph)
     with tf.compat.v1.Session(graph=model.graph, config=config) as session:
         session.run(model.init)
@@ -123,15 +124,21 @@ def assert_identity_is_bit_exact(model, inputs, config=None):
         again = session.run([model.y, model.grads], {model.x: inputs})
         assert all(np.array_equal(a, b) for a, b in zip([again[0], *again[1]], [plain[0], *plain[1]])), \
             "the plain run is not deterministic"
-        tool = IdentityTool()
+        tool = IdentityTool(portable=portable)
         with amanda.apply(tool):
             output, grads = session.run([model.y, model.grads], {model.x: inputs})
+            rewrite = amanda.runtime.tensorflow.current_rewrite(session)
     assert np.array_equal(output, plain[0])
     assert len(grads) == len(plain[1])
     different = [v.name for v, a, b in zip(model.variables, grads, plain[1])
                  if not np.array_equal(a, b)]
     assert different == []
-    assert all(count > 0 for count in tool.calls.values()), tool.calls
+    copied = {op.type for op in rewrite.copy.get_operations() if op.name.startswith("amanda/")}
+    if portable:   # lowered natively: Identity ops, no callback
+        assert copied == {"Identity"} and not any(tool.calls.values())
+    else:
+        assert "PyFunc" in copied
+        assert all(count > 0 for count in tool.calls.values()), tool.calls
     assert snapshot(model.graph) == before
     return tool
 
@@ -141,6 +148,12 @@ def test_identity_on_every_op_is_bit_exact_on_resnet50(keras_resnet50_graph):
     image = np.random.default_rng(2).random((1, 64, 64, 3), np.float32)
     tool = assert_identity_is_bit_exact(keras_resnet50_graph, image)
     assert tool.calls["before_backward_op"] > 1000
+
+
+@pytest.mark.slow
+def test_portable_identity_on_every_op_is_bit_exact_on_resnet50(keras_resnet50_graph):
+    image = np.random.default_rng(2).random((1, 64, 64, 3), np.float32)
+    assert_identity_is_bit_exact(keras_resnet50_graph, image, portable=True)
 
 
 def exact_arithmetic():
@@ -166,6 +179,7 @@ def test_identity_on_every_op_is_bit_exact_on_a_transformer_block(keras_transfor
     assert {"Einsum", "Softmax", "MatMul", "Rsqrt"} <= types
     tokens = np.random.default_rng(3).random((2, 6, 16), np.float32)
     assert_identity_is_bit_exact(model, tokens, config=exact_arithmetic())
+    assert_identity_is_bit_exact(model, tokens, config=exact_arithmetic(), portable=True)
 
 
 def test_grappler_rewrites_are_the_only_difference_on_a_transformer_block(keras_transformer_graph):
