@@ -351,6 +351,7 @@ class QuantizationTool(amanda.Tool):
         self.observers = {}
         self.qparams = {}
         self.ops = {}
+        self._sites = {}   # (namespace, module path, op name) -> op keys
         self._calibration = None
         self.depends_on(MappingTool(rules=mapping_rules.WEIGHT_RULES + CHANNEL_RULES))
         self.add_inst_for_op(self.forward_analysis)
@@ -379,7 +380,7 @@ class QuantizationTool(amanda.Tool):
         op_type = context.get("type")
         if op_type not in self.op_types:
             return
-        key = (context.namespace, context.get_op_id())
+        key = self._resolve((context.namespace, context.get_op_id()), context)
         self.note_op(key, context)
         if self.activation is not None:
             self._quantize_activation(context, key)
@@ -388,8 +389,25 @@ class QuantizationTool(amanda.Tool):
             self._quantize_weight(context, key, position)
 
     def note_op(self, key, context):
-        self.ops.setdefault(key, {"name": context.get_op_name(), "type": context.get("type"),
-                                  "module": context.get_module_path()})
+        if key not in self.ops:
+            self.ops[key] = {"name": context.get_op_name(), "type": context.get("type"),
+                             "module": context.get_module_path()}
+            self._sites.setdefault(self._site(context), []).append(key)
+
+    @staticmethod
+    def _site(context):
+        return (context.namespace, context.get_module_path(), context.get_op_name())
+
+    def _resolve(self, key, context):
+        """An op never seen before takes the key of the only calibrated op
+        with its module path and op name, if there is one: a PyTorch op id
+        includes the call site of the innermost module whose code is the
+        user's, so a bare ``nn.Linear`` calibrated in one place and evaluated
+        in another gets two ids."""
+        if key in self.ops or (_is_eager(context) and not self.frozen):
+            return key
+        known = [k for k in self._sites.get(self._site(context), ()) if k in self.observers]
+        return known[0] if len(known) == 1 else key
 
     def _quantize_weight(self, context, key, position):
         axis = context.get("weight_channel_axis") if self.weight.per_channel else None
