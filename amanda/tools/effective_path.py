@@ -1,0 +1,722 @@
+"""Effective path: the neurons and synapses that carry a prediction.
+
+Qiu et al., "Adversarial Defense Through Network Profiling Based Path
+Extraction" (CVPR 2019). For one input, start from the output neuron of the
+predicted class and walk the forward graph backwards. At each op, every
+critical output neuron keeps the *minimal* set of input contributions whose
+sum reaches ``theta`` of its total; the inputs (and weights) of those
+contributions become critical in turn. The critical weights are the op's
+*synapses*; the critical neurons of every tensor and the synapses of every op
+make the sample's *effective path*. Uniting the paths of a class's samples
+gives the *class path*; a sample whose path lies far outside its predicted
+class's path is suspicious (the paper's adversarial-example detector).
+
+How it runs here:
+
+* :class:`EffectivePathTool` depends on
+  :class:`~amanda.tools.graph.GraphTracingTool` (the traced IR graph of each
+  PyTorch eager step) and on a :class:`~amanda.tools.mapping.MappingTool`
+  with :data:`~amanda.tools.mapping_rules.RULES` (canonical op types,
+  ``context["type"]``). Its analysis routine records, for every forward op,
+  the canonical type and two observe-only routines keeping the op's inputs
+  and outputs. When a step's graph is complete it walks that graph.
+* The walk, :func:`extract_paths`, knows no framework: it takes an IR graph,
+  a function giving each IR tensor's value (NumPy) and one giving each op's
+  canonical type. Graph backends (ONNX, TensorFlow) reuse it given values.
+* Per-op extraction rules live in :data:`RULES`, keyed by canonical type.
+  Backend attributes (strides, pads...) are read into canonical parameters by
+  a per-namespace reader in :data:`PARAM_READERS`. An op on the path with no
+  rule is reported in :attr:`EffectivePath.unknown` (or raises with
+  ``strict=True``), never silently passed through.
+
+Selection rule (exactly what :func:`select_contributions` computes): sort a
+neuron's contributions in descending order (ties: lower input index first);
+its *total* is the sum of the positive ones, accumulated in that order in
+float64; keep the shortest prefix whose running sum reaches
+``theta * total``. A neuron without positive contribution keeps none.
+Contributions: ``activation x weight`` for ``linear`` and ``conv2d`` (bias
+excluded, zero padding contributes nothing), ``activation / divisor`` for
+average pooling; ``max_pool2d`` keeps the first maximal input of the window;
+``add`` keeps both branches; element-wise activations, normalisations and
+reshapes pass critical neurons through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import Counter
+
+import numpy as np
+
+import amanda
+from amanda.errors import ToolError
+from amanda.tools import mapping_rules
+from amanda.tools.graph import GraphTracingTool, module_path
+from amanda.tools.mapping import MappingTool
+
+__all__ = ["EffectivePath", "EffectivePathTool", "Extraction", "RULES", "PARAM_READERS",
+           "PASS_THROUGH_TYPES", "RESHAPE_TYPES", "class_paths", "extract_paths",
+           "select_contributions", "similarity"]
+
+# Critical neurons of this many (neuron, contribution) pairs are selected at once.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+# -- the selection --------------------------------------------------------------------
+
+def select_contributions(contributions, theta):
+    """The minimal set of contributions reaching ``theta`` of the positive total.
+
+    Args:
+        contributions: ``(M, K)`` array, one row per critical neuron.
+        theta: the fraction in ``(0, 1]``.
+
+    Returns:
+        A boolean ``(M, K)`` array marking the selected contributions.
+    """
+    contributions = np.asarray(contributions, dtype=np.float64)
+    rows, width = contributions.shape
+    if rows == 0 or width == 0:
+        return np.zeros((rows, width), dtype=bool)
+    order = np.argsort(-contributions, axis=1, kind="stable")
+    ranked = np.take_along_axis(contributions, order, axis=1)
+    running = np.cumsum(np.where(ranked > 0, ranked, 0.0), axis=1)
+    total = running[:, -1]
+    reached = running >= (theta * total)[:, None]
+    count = np.where(total > 0, np.argmax(reached, axis=1) + 1, 0)
+    keep = np.arange(width)[None, :] < count[:, None]
+    selected = np.zeros((rows, width), dtype=bool)
+    np.put_along_axis(selected, order, keep, axis=1)
+    return selected
+
+
+def _select_chunked(contributions_of, count, width, theta):
+    """Yield ``(start, selected)`` chunks of the selection for ``count``
+    neurons; ``contributions_of(start, stop)`` builds their rows."""
+    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    for start in range(0, count, step):
+        stop = min(count, start + step)
+        yield start, select_contributions(contributions_of(start, stop), theta)
+
+
+# -- rules ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Extraction:
+    """What a rule found for one op.
+
+    Attributes:
+        inputs: input position -> boolean mask of its critical neurons
+            (batch dim included); positions left out get none.
+        synapses: boolean mask of critical weights per sample, shape
+            ``(N,) + weight.shape``, or None.
+    """
+
+    inputs: dict
+    synapses: np.ndarray | None = None
+
+
+class OpValues:
+    """What a rule sees of one op.
+
+    Attributes:
+        op: the IR op.
+        type: its canonical type.
+        inputs: NumPy values of its inputs (None where unknown).
+        output: the value of its first output.
+        mask: boolean mask of the critical neurons of that output.
+        params: canonical parameters (``strides``, ``pads``...).
+        theta: the selection threshold.
+    """
+
+    __slots__ = ("op", "type", "inputs", "output", "mask", "params", "theta")
+
+    def __init__(self, op, type, inputs, output, mask, params, theta):
+        self.op, self.type, self.inputs, self.output = op, type, inputs, output
+        self.mask, self.params, self.theta = mask, params, theta
+
+
+def _linear(v):
+    x, weight = v.inputs[0], v.inputs[1]
+    batch, width = x.shape[0], x.shape[-1]
+    rows = x.reshape(batch, -1, width).astype(np.float64)
+    w = weight.astype(np.float64)
+    n, p, j = np.nonzero(v.mask.reshape(batch, rows.shape[1], -1))
+    critical = np.zeros(rows.shape, dtype=bool)
+    synapses = np.zeros((batch,) + weight.shape, dtype=bool)
+    for start, selected in _select_chunked(
+            lambda a, b: rows[n[a:b], p[a:b]] * w[j[a:b]], len(n), width, v.theta):
+        stop = start + len(selected)
+        m, i = np.nonzero(selected)
+        critical[n[start:stop][m], p[start:stop][m], i] = True
+        synapses[n[start:stop][m], j[start:stop][m], i] = True
+    return Extraction({0: critical.reshape(x.shape)}, synapses)
+
+
+def _windows(x, kernel, strides, pads, dilations, out_hw, fill):
+    """Sliding windows of an NCHW array: ``(N, C, OH, OW, KH, KW)``; padding
+    (and windows running past the end, as with ``ceil_mode``) reads ``fill``."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    top, left = pads[0], pads[1]
+    span_h, span_w = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    need_h = (out_hw[0] - 1) * sh + span_h
+    need_w = (out_hw[1] - 1) * sw + span_w
+    bottom = max(0, need_h - top - x.shape[2])
+    right = max(0, need_w - left - x.shape[3])
+    padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=fill)
+    view = np.lib.stride_tricks.sliding_window_view(padded, (span_h, span_w), axis=(2, 3))
+    return view[:, :, ::sh, ::sw][:, :, :out_hw[0], :out_hw[1], ::dh, ::dw]
+
+
+def _input_positions(oh, ow, a, b, params):
+    """Input coordinates of kernel offsets ``(a, b)`` of outputs ``(oh, ow)``."""
+    (sh, sw), (dh, dw), pads = params["strides"], params["dilations"], params["pads"]
+    return oh * sh + a * dh - pads[0], ow * sw + b * dw - pads[1]
+
+
+def _conv2d(v):
+    x, weight = v.inputs[0], v.inputs[1]
+    params = v.params
+    groups = params["groups"]
+    batch, channels, height, width = x.shape
+    out_channels, group_in, kh, kw = weight.shape
+    group_out = out_channels // groups
+    windows = _windows(x.astype(np.float64), (kh, kw), params["strides"], params["pads"],
+                       params["dilations"], v.output.shape[2:], 0.0)
+    w = weight.astype(np.float64).reshape(out_channels, -1)
+    n, co, oh, ow = np.nonzero(v.mask)
+    first_in = (co // group_out) * group_in
+    lanes = np.arange(group_in)
+
+    def contributions(a, b):
+        channels_in = first_in[a:b, None] + lanes[None, :]
+        patches = windows[n[a:b, None], channels_in, oh[a:b, None], ow[a:b, None]]
+        return patches.reshape(b - a, -1) * w[co[a:b]]
+
+    critical = np.zeros(x.shape, dtype=bool)
+    synapses = np.zeros((batch,) + weight.shape, dtype=bool)
+    for start, selected in _select_chunked(contributions, len(n), w.shape[1], v.theta):
+        m, flat = np.nonzero(selected)
+        m = m + start
+        ci, a, b = np.unravel_index(flat, (group_in, kh, kw))
+        ih, iw = _input_positions(oh[m], ow[m], a, b, params)
+        critical[n[m], first_in[m] + ci, ih, iw] = True   # padding never contributes
+        synapses[n[m], co[m], ci, a, b] = True
+    return Extraction({0: critical}, synapses)
+
+
+def _max_pool2d(v):
+    x, params = v.inputs[0], v.params
+    kernel = params["kernel"]
+    windows = _windows(x.astype(np.float64), kernel, params["strides"], params["pads"],
+                       params["dilations"], v.output.shape[2:], -np.inf)
+    n, c, oh, ow = np.nonzero(v.mask)
+    flat = np.argmax(windows[n, c, oh, ow].reshape(len(n), -1), axis=1)  # first maximum
+    a, b = np.unravel_index(flat, kernel)
+    ih, iw = _input_positions(oh, ow, a, b, params)
+    critical = np.zeros(x.shape, dtype=bool)
+    critical[n, c, ih, iw] = True
+    return Extraction({0: critical})
+
+
+def _pool_windows_avg(v):
+    """Per critical output: input rows/columns and divisor of its window."""
+    x, params = v.inputs[0], v.params
+    height, width = x.shape[2:]
+    (kh, kw), (sh, sw) = params["kernel"], params["strides"]
+    top, left, bottom, right = params["pads"]
+    for n, c, oh, ow in zip(*np.nonzero(v.mask)):
+        h0, w0 = oh * sh - top, ow * sw - left
+        h1, w1 = min(h0 + kh, height + bottom), min(w0 + kw, width + right)
+        divisor = params.get("divisor_override")
+        if not divisor:
+            if params.get("count_include_pad", True):
+                divisor = (h1 - h0) * (w1 - w0)
+            else:
+                divisor = (min(h1, height) - max(h0, 0)) * (min(w1, width) - max(w0, 0))
+        yield n, c, (max(h0, 0), min(h1, height)), (max(w0, 0), min(w1, width)), divisor
+
+
+def _adaptive_windows(v):
+    height, width = v.inputs[0].shape[2:]
+    out_h, out_w = v.output.shape[2:]
+    for n, c, oh, ow in zip(*np.nonzero(v.mask)):
+        rows = (oh * height // out_h, -(-(oh + 1) * height // out_h))
+        cols = (ow * width // out_w, -(-(ow + 1) * width // out_w))
+        yield n, c, rows, cols, (rows[1] - rows[0]) * (cols[1] - cols[0])
+
+
+def _average(windows_of):
+    def rule(v):
+        x = v.inputs[0]
+        critical = np.zeros(x.shape, dtype=bool)
+        for n, c, (h0, h1), (w0, w1), divisor in windows_of(v):
+            patch = x[n, c, h0:h1, w0:w1].astype(np.float64)
+            selected = select_contributions(patch.reshape(1, -1) / divisor, v.theta)
+            critical[n, c, h0:h1, w0:w1] |= selected.reshape(patch.shape)
+        return Extraction({0: critical})
+    return rule
+
+
+def _pass_through(v):
+    return Extraction({0: v.mask.reshape(v.inputs[0].shape)})
+
+
+def _unbroadcast(mask, shape):
+    """Reduce a mask of a broadcast result to one operand's shape (any)."""
+    extra = mask.ndim - len(shape)
+    if extra > 0:
+        mask = mask.any(axis=tuple(range(extra)))
+    axes = tuple(i for i, d in enumerate(shape) if d == 1 and mask.shape[i] != 1)
+    if axes:
+        mask = mask.any(axis=axes, keepdims=True)
+    return mask.reshape(shape)
+
+
+def _add(v):
+    return Extraction({i: _unbroadcast(v.mask, np.shape(value))
+                       for i, value in enumerate(v.inputs) if value is not None})
+
+
+#: Element-wise ops whose critical neurons pass to their first input.
+PASS_THROUGH_TYPES = frozenset({
+    "relu", "relu6", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "elu",
+    "selu", "softplus", "batch_norm", "dropout", "identity", "clone", "contiguous", "to",
+    "float", "detach",
+})
+#: Ops that only change the shape: critical neurons keep their element order.
+RESHAPE_TYPES = frozenset({"reshape", "view", "flatten", "squeeze", "unsqueeze"})
+
+#: Canonical op type -> rule ``rule(OpValues) -> Extraction``.
+RULES = {
+    "linear": _linear,
+    "conv2d": _conv2d,
+    "max_pool2d": _max_pool2d,
+    "avg_pool2d": _average(_pool_windows_avg),
+    "adaptive_avg_pool2d": _average(_adaptive_windows),
+    "add": _add,
+    **{t: _pass_through for t in PASS_THROUGH_TYPES | RESHAPE_TYPES},
+}
+
+
+# -- canonical parameters per backend ---------------------------------------------------
+
+def _pair(value, default):
+    if value is None or value == []:
+        value = default
+    if isinstance(value, (list, tuple)):
+        value = [int(v) for v in value]
+        return (value[0], value[0]) if len(value) == 1 else tuple(value[:2])
+    return (int(value), int(value))
+
+
+def _bind(op, names):
+    """Name the non-tensor positional args (``attrs["args"]``) and kwargs of a
+    traced PyTorch call. A leading None stands for an absent optional tensor
+    (a conv's ``bias=None``) when the op has fewer tensor inputs than usual."""
+    args = list(op.attrs.get("args", ()))
+    if names and names[0] == "*bias":
+        if len(op.inputs) == 2 and args and args[0] is None:
+            args = args[1:]
+        names = names[1:]
+    bound = dict(zip(names, args))
+    bound.update(op.attrs.get("kwargs", {}))
+    return bound
+
+
+def _torch_conv_params(op, values):
+    bound = _bind(op, ["*bias", "stride", "padding", "dilation", "groups"])
+    kernel = np.shape(values[1])[2:]
+    dilations = _pair(bound.get("dilation"), 1)
+    padding = bound.get("padding", 0)
+    if padding == "valid":
+        pads = (0, 0, 0, 0)
+    elif padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilations, kernel)]
+        pads = (total[0] // 2, total[1] // 2, total[0] - total[0] // 2, total[1] - total[1] // 2)
+    else:
+        ph, pw = _pair(padding, 0)
+        pads = (ph, pw, ph, pw)
+    return {"strides": _pair(bound.get("stride"), 1), "pads": pads, "dilations": dilations,
+            "groups": int(bound.get("groups") or 1)}
+
+
+def _torch_pool_params(names):
+    def read(op, values):
+        bound = _bind(op, names)
+        kernel = _pair(bound.get("kernel_size"), 1)
+        ph, pw = _pair(bound.get("padding"), 0)
+        params = {"kernel": kernel, "strides": _pair(bound.get("stride"), kernel),
+                  "pads": (ph, pw, ph, pw), "dilations": _pair(bound.get("dilation"), 1)}
+        for key in ("count_include_pad", "divisor_override"):
+            if key in bound:
+                params[key] = bound[key]
+        return params
+    return read
+
+
+#: ``namespace prefix -> {canonical type: reader(op, input values) -> params}``.
+PARAM_READERS = {
+    "pytorch": {
+        "conv2d": _torch_conv_params,
+        "max_pool2d": _torch_pool_params(["kernel_size", "stride", "padding", "dilation",
+                                          "ceil_mode", "return_indices"]),
+        "avg_pool2d": _torch_pool_params(["kernel_size", "stride", "padding", "ceil_mode",
+                                          "count_include_pad", "divisor_override"]),
+    },
+}
+
+
+def _params(op, op_type, values):
+    for prefix, readers in PARAM_READERS.items():
+        if op.namespace.startswith(prefix) and op_type in readers:
+            return readers[op_type](op, values)
+    return {}
+
+
+# -- paths ------------------------------------------------------------------------------
+
+class EffectivePath:
+    """The effective path of one sample (or, united, of a class).
+
+    Attributes:
+        label: the class the path starts from (None for a union of classes).
+        theta: the selection threshold.
+        neurons: op name -> boolean mask of its output's critical neurons
+            (batch dim dropped), for the ops on the path in graph order.
+        inputs: graph input name -> mask of its critical elements (e.g. pixels).
+        synapses: op name -> boolean mask of its critical weights.
+        types: op name -> canonical type.
+        modules: op name -> module path (PyTorch) or name scope.
+        unknown: ``(op name, type)`` of ops on the path without a rule.
+        count: how many samples were united into this path.
+    """
+
+    def __init__(self, label, theta):
+        self.label, self.theta = label, theta
+        self.neurons, self.inputs, self.synapses = {}, {}, {}
+        self.types, self.modules = {}, {}
+        self.unknown = []
+        self.count = 1
+
+    def density(self):
+        """Op name -> fraction of its output neurons on the path."""
+        return {name: float(mask.mean()) for name, mask in self.neurons.items()}
+
+    def synapse_density(self):
+        """Op name -> fraction of its weights on the path (ops with weights)."""
+        return {name: float(mask.mean()) for name, mask in self.synapses.items()}
+
+    def union(self, other):
+        """A new path holding the neurons and synapses of both."""
+        result = EffectivePath(self.label if self.label == other.label else None, self.theta)
+        for mine, theirs, target in ((self.neurons, other.neurons, result.neurons),
+                                     (self.inputs, other.inputs, result.inputs),
+                                     (self.synapses, other.synapses, result.synapses)):
+            for name in list(mine) + [n for n in theirs if n not in mine]:
+                a, b = mine.get(name), theirs.get(name)
+                target[name] = a | b if a is not None and b is not None else \
+                    (a if b is None else b).copy()
+        result.types = {**other.types, **self.types}
+        result.modules = {**other.modules, **self.modules}
+        result.unknown = sorted(set(self.unknown) | set(other.unknown))
+        result.count = self.count + other.count
+        return result
+
+    __or__ = union
+
+    def similarity(self, other, level="synapses"):
+        """``|self ∩ other| / |self|``; see :func:`similarity`."""
+        return similarity(self, other, level)
+
+    def __repr__(self):
+        size = sum(int(m.sum()) for m in self.synapses.values())
+        return (f"<EffectivePath label={self.label} theta={self.theta} ops={len(self.neurons)} "
+                f"synapses={size} samples={self.count}>")
+
+
+def similarity(path, reference, level="synapses"):
+    """How much of ``path`` lies inside ``reference`` (e.g. its class path).
+
+    Args:
+        path: a sample's :class:`EffectivePath`.
+        reference: the path to compare with.
+        level: ``"synapses"`` (critical weights) or ``"neurons"`` (critical
+            outputs of every op).
+
+    Returns:
+        ``|path ∩ reference| / |path|`` counted over every op, in ``[0, 1]``
+        (1.0 for an empty path).
+    """
+    if level not in ("synapses", "neurons"):
+        raise ValueError(f"level must be 'synapses' or 'neurons', got {level!r}")
+    mine, theirs = getattr(path, level), getattr(reference, level)
+    inside = total = 0
+    for name, mask in mine.items():
+        total += int(mask.sum())
+        other = theirs.get(name)
+        if other is not None and other.shape == mask.shape:
+            inside += int((mask & other).sum())
+    return inside / total if total else 1.0
+
+
+def class_paths(paths):
+    """Unite sample paths by label: ``{label: EffectivePath}``."""
+    result = {}
+    for path in paths:
+        result[path.label] = path if path.label not in result else result[path.label] | path
+    return result
+
+
+def extract_paths(graph, value_of, type_of, theta=0.5, output=None, labels=None,
+                  strict=False):
+    """Extract the effective path of every sample of a batch from an IR graph.
+
+    Framework-free: any backend that gives values can use it.
+
+    Args:
+        graph: an :class:`amanda.ir.Graph`; backward ops are ignored.
+        value_of: ``value_of(ir_tensor)`` -> NumPy array (batch first), or None.
+        type_of: ``type_of(ir_op)`` -> canonical type.
+        theta: the threshold, in ``(0, 1]``.
+        output: the IR tensor holding the logits ``(N, classes)``; default:
+            the first output of the last forward op.
+        labels: classes to start from, one per sample; default: the argmax.
+        strict: raise on an op with no rule instead of reporting it.
+
+    Returns:
+        One :class:`EffectivePath` per sample.
+
+    Raises:
+        ToolError: bad ``theta``/``output``, or with ``strict`` an op on the
+            path has no rule; the message names the op.
+    """
+    if not 0 < theta <= 1:
+        raise ToolError(f"effective path: theta must be in (0, 1], got {theta!r}")
+    forward = [op for op in graph.ops if not op.attrs.get("backward")]
+    if output is None:
+        if not forward or not forward[-1].outputs:
+            raise ToolError("effective path: the graph has no forward op with an output")
+        output = forward[-1].outputs[0]
+    logits = value_of(output)
+    if logits is None or np.ndim(logits) != 2:
+        raise ToolError(f"effective path: the output %{output.name} must be (batch, classes), "
+                        f"got shape {None if logits is None else np.shape(logits)}")
+    batch = logits.shape[0]
+    labels = np.argmax(logits, axis=1) if labels is None else np.asarray(labels).reshape(batch)
+    start = np.zeros(logits.shape, dtype=bool)
+    start[np.arange(batch), labels] = True
+    masks = {output: start}
+    found, unknown, order = {}, [], []
+    for op in reversed(forward):
+        out_mask = _merged_output_mask(op, masks)
+        if out_mask is None:
+            continue
+        order.append(op)
+        _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown)
+    return _per_sample(graph, reversed(order), masks, found, unknown, labels, theta, type_of)
+
+
+def _merged_output_mask(op, masks):
+    if not op.outputs:
+        return None
+    return masks.get(op.outputs[0])
+
+
+def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown):
+    op_type = type_of(op)
+    tensors = [t for t in op.inputs]
+    if not tensors:
+        return   # a source (constant, random): nothing further back
+    rule = RULES.get(op_type)
+    if rule is None:
+        if strict:
+            raise ToolError(f"effective path: no extraction rule for op type {op_type!r} "
+                            f"(add one to amanda.tools.effective_path.RULES)",
+                            op_name=op.name, namespace=op.namespace)
+        unknown.append((op.name, op_type))
+        return
+    values = [value_of(t) for t in tensors]
+    output = value_of(op.outputs[0])
+    params = _params(op, op_type, values)
+    result = rule(OpValues(op, op_type, values, output, out_mask, params, theta))
+    for position, mask in result.inputs.items():
+        tensor = tensors[position]
+        if tensor in masks:
+            masks[tensor] = masks[tensor] | mask
+        else:
+            masks[tensor] = mask
+    if result.synapses is not None:
+        found[op] = result.synapses
+
+
+def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
+    ops = list(ops)
+    paths = []
+    for b, label in enumerate(labels):
+        path = EffectivePath(int(label), theta)
+        for op in ops:
+            path.neurons[op.name] = masks[op.outputs[0]][b]
+            path.types[op.name] = type_of(op)
+            path.modules[op.name] = module_path(op)
+            if op in found:
+                path.synapses[op.name] = found[op][b]
+        for tensor in graph.inputs:
+            mask = masks.get(tensor)
+            if mask is not None and mask.shape[0] == len(labels) and tensor.attrs.get(
+                    "kind", "input") == "input":
+                path.inputs[tensor.name] = mask[b]
+        path.unknown = list(unknown)
+        paths.append(path)
+    return paths
+
+
+# -- the tool -----------------------------------------------------------------------------
+
+class EffectivePathTool(amanda.Tool):
+    """Extract effective paths of the samples run under ``amanda.apply``.
+
+    Every step (a root module call in PyTorch eager) adds one
+    :class:`EffectivePath` per sample to :attr:`paths`. A step's values are
+    kept when its graph is complete (at the next step or when the ``apply``
+    scope exits) and walked when :attr:`paths` is read.
+
+    Args:
+        theta: the threshold, in ``(0, 1]``.
+        output: which op's first output holds the logits: None for the last
+            forward op of the step, a module path (the last op run by that
+            module), or a predicate ``f(ir_op) -> bool`` (the last matching op).
+        strict: raise on ops without a rule instead of reporting them.
+
+    Attributes:
+        unknown: ``Counter`` of canonical types met on a path without a rule.
+        tracer: the :class:`GraphTracingTool` this tool depends on.
+
+    Example::
+
+        tool = EffectivePathTool(theta=0.5)
+        with torch.no_grad(), amanda.apply(tool):
+            model(x)
+        print(tool.paths[0].density())
+    """
+
+    def __init__(self, theta=0.5, output=None, strict=False):
+        super().__init__()
+        if not 0 < theta <= 1:
+            raise ToolError(f"theta must be in (0, 1], got {theta!r}", tool=self)
+        self.theta, self.output, self.strict = theta, output, strict
+        self.tracer = GraphTracingTool(keep=1)
+        self.depends_on(self.tracer, MappingTool(rules=mapping_rules.RULES))
+        self.requires_graph = True
+        self.add_inst_for_op(self.record_op)
+        self._paths = []
+        self._steps = []      # (graph, values) of finished steps not walked yet
+        self.unknown = Counter()
+        self._types = {}      # op id -> canonical type
+        self._pending = {}    # op id -> inputs of the running execution
+        self._values = {}     # op id -> (inputs, outputs) of this step
+
+    def record_op(self, context):
+        """Analysis routine: remember the op's canonical type and keep its
+        inputs and outputs each time it runs."""
+        op_id = context.get_op_id()
+        self._types[op_id] = context.get("type") or context.get_op_name()
+        context.insert_before_op(self._keep_inputs, op_id=op_id)
+        context.insert_after_op(self._keep_outputs, op_id=op_id)
+
+    def _keep_inputs(self, *tensors, op_id):
+        self._pending[op_id] = [amanda.evaluate(t).copy() for t in tensors]
+
+    def _keep_outputs(self, *tensors, op_id):
+        # Committed after the op ran: when this op starts the next step, the
+        # previous step's graph is completed before its values are replaced.
+        inputs = self._pending.pop(op_id, [])
+        self._values[op_id] = (inputs, [amanda.evaluate(t).copy() for t in tensors])
+
+    def graph_completed(self, graph):
+        values, self._values = self._values, {}
+        if values:
+            self._steps.append((graph, values))
+
+    @property
+    def paths(self):
+        """The effective paths of every sample run so far, in order.
+
+        Steps are walked when this is read (not while the model runs), so an
+        error in the walk (``strict``, a bad ``output``) raises here.
+        """
+        while self._steps:
+            graph, values = self._steps.pop(0)
+            self._paths.extend(self._extract(graph, values))
+        return self._paths
+
+    def _extract(self, graph, values):
+        with amanda.disabled():   # the walk's own array work is no model code
+            paths = extract_paths(graph, _EagerValues(graph, values), self._type_of,
+                                  theta=self.theta, output=self._output_tensor(graph),
+                                  strict=self.strict)
+        unknown = paths[0].unknown if paths else []
+        for _, op_type in unknown:
+            self.unknown[op_type] += 1
+        if unknown:
+            types = sorted({str(t) for _, t in unknown})
+            warnings.warn(f"EffectivePathTool: ops without an extraction rule on the path "
+                          f"stop it there: {', '.join(types)}", stacklevel=3)
+        return paths
+
+    def _type_of(self, op):
+        found = self._types.get(op.attrs.get("op_id"))
+        return found if found is not None else mapping_rules.canonical_type(
+            op.type, mapping_rules.PYTORCH_TYPES)
+
+    def _output_tensor(self, graph):
+        if self.output is None:
+            return None
+        if callable(self.output):
+            matches = [op for op in graph.ops if not op.attrs.get("backward")
+                       and self.output(op)]
+        else:
+            matches = [op for op in graph.ops if not op.attrs.get("backward")
+                       and op.attrs.get("module") == self.output]
+        if not matches or not matches[-1].outputs:
+            raise ToolError(f"no forward op matches output={self.output!r} in this step",
+                            tool=self)
+        return matches[-1].outputs[0]
+
+    def class_paths(self):
+        """The class paths of :attr:`paths`: ``{label: EffectivePath}``."""
+        return class_paths(self.paths)
+
+    def clear(self):
+        """Forget the extracted paths (and the steps not walked yet)."""
+        self._paths, self._steps = [], []
+        self.unknown.clear()
+
+
+class _EagerValues:
+    """``value_of`` for a PyTorch eager step: the NumPy copies the tool's
+    routines kept, by op id; graph inputs through the ops reading them."""
+
+    def __init__(self, graph, values):
+        self.values = values
+        self.cache = {}
+
+    def __call__(self, tensor):
+        found = self.cache.get(tensor)
+        if found is not None:
+            return found
+        if tensor.producer is not None:
+            entry = self.values.get(tensor.producer.attrs.get("op_id"))
+            value = entry[1][tensor.index] if entry and tensor.index < len(entry[1]) else None
+        else:
+            value = None
+            for op, position in tensor.uses:
+                entry = self.values.get(op.attrs.get("op_id"))
+                if entry and position < len(entry[0]):
+                    value = entry[0][position]
+                    break
+        if value is not None:
+            self.cache[tensor] = value
+        return value
+
