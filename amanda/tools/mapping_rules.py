@@ -12,7 +12,7 @@ depends on, and write the tool once against the keys below::
             self.depends_on(MappingTool(rules=mapping_rules.WEIGHT_RULES))
             ...
 
-Keys set by `pytorch_rule` / `tensorflow_rule` (``RULES``):
+Keys set by `pytorch_rule` / `tensorflow_rule` / `onnx_rule` (``RULES``):
 
 * ``"type"``: the forward op's canonical type: ``"conv2d"``, ``"linear"`` (a
   matrix product with a weight: PyTorch ``linear``, a TF ``MatMul`` whose
@@ -24,6 +24,11 @@ Keys set by `pytorch_rule` / `tensorflow_rule` (``RULES``):
 * ``"weight_input"``: the position of the weight among the forward op's
   inputs (``1`` for ``conv2d``, ``depthwise_conv2d`` and ``linear`` in both
   backends), None for ops without a weight.
+* ``"weight_layout"``: the weight's layout in this backend, from
+  :mod:`amanda.tools.mapping_tables` (``"OIHW"``, ``"HWIO"``, ``"OI"``,
+  ``"IO"``...), None for ops without a weight. Use
+  :func:`~amanda.tools.mapping_tables.convert_layout` to compare weights
+  across backends.
 * ``"backward_type"`` (backward contexts): ``"<type>_backward"``, e.g.
   ``"conv2d_backward"`` for every backward op of a convolution
   (``ConvolutionBackward0``; ``Conv2DBackpropFilter`` and
@@ -57,9 +62,11 @@ import re
 
 import numpy as np
 
+from amanda.tools import mapping_tables
+
 __all__ = [
-    "RULES", "WEIGHT_RULES", "canonical_type", "pytorch_rule", "pytorch_weight_rule",
-    "tensorflow_rule", "tensorflow_weight_rule",
+    "RULES", "WEIGHT_RULES", "canonical_type", "onnx_rule", "onnx_weight_rule", "pytorch_rule",
+    "pytorch_weight_rule", "tensorflow_rule", "tensorflow_weight_rule",
 ]
 
 #: PyTorch op names (``get_op().__name__``) -> canonical type.
@@ -92,6 +99,13 @@ _TF_VARIABLE_READS = frozenset({"ReadVariableOp", "VariableV2", "VarHandleOp"})
 _TF_PASS_THROUGH = frozenset({"Identity", "Cast"})
 
 
+def _weight_layout(backend, op_type):
+    if WEIGHT_INPUTS.get(op_type) is None:
+        return None
+    spec = mapping_tables.TABLE.get(op_type, {}).get(backend)
+    return None if spec is None else spec.layout("weight")
+
+
 def canonical_type(name, table):
     """The canonical type for a backend op name.
 
@@ -118,6 +132,7 @@ def pytorch_rule(context):
     op_type = None if op is None else canonical_type(op.__name__, PYTORCH_TYPES)
     context["type"] = op_type
     context["weight_input"] = WEIGHT_INPUTS.get(op_type)
+    context["weight_layout"] = _weight_layout("pytorch", op_type)
     if context.is_backward():
         context["backward_type"] = None if op_type is None else f"{op_type}_backward"
         context["weight_grad"] = _pytorch_weight_grad(op_type, context.get_backward_op().__name__)
@@ -161,6 +176,10 @@ def tensorflow_rule(context):
     op_type = None if op is None else _tf_type(op)
     context["type"] = op_type
     context["weight_input"] = WEIGHT_INPUTS.get(op_type)
+    layout = _weight_layout("tensorflow", op_type)
+    if op_type == "linear" and op.get_attr("transpose_b"):
+        layout = "OI"
+    context["weight_layout"] = layout
     if context.is_backward():
         context["backward_type"] = None if op_type is None else f"{op_type}_backward"
         context["weight_grad"] = _tf_weight_grad(op_type, op, context.get_backward_op())
@@ -208,8 +227,75 @@ def tensorflow_weight_rule(context):
     context["as_tensor"] = lambda array: np.asarray(array, dtype=dtype)
 
 
-#: Types and positions for both backends: ``MappingTool(rules=RULES)``.
-RULES = [["pytorch", pytorch_rule], ["tensorflow", tensorflow_rule]]
+# -- ONNX ----------------------------------------------------------------------------
+
+#: ONNX op types -> canonical type (``MatMul``/``Gemm``/``Gather`` are decided
+#: by whether their weight input is an initializer).
+ONNX_TYPES = {name: spec.canonical for name, spec in mapping_tables._INDEX["onnx"].items()}
+ONNX_TYPES.update({"Relu": "relu", "Add": "add", "Mul": "mul"})
+
+
+def _onnx_initializer(context, position):
+    """The initializer (an ``onnx.TensorProto`` holder) feeding input
+    ``position`` of the context's node, or None."""
+    ir_op = context.get_ir_op()
+    if ir_op is None or position >= len(ir_op.inputs):
+        return None
+    return ir_op.inputs[position].attrs.get("initializer")
+
+
+def onnx_rule(context):
+    """Set ``type``, ``weight_input`` and ``weight_layout`` on an ONNX context
+    (ONNX graphs are inference graphs: there are no backward contexts)."""
+    node = context.get_op()
+    op_type = None if node is None else _onnx_type(context, node)
+    context["type"] = op_type
+    context["weight_input"] = WEIGHT_INPUTS.get(op_type)
+    layout = _weight_layout("onnx", op_type)
+    if op_type == "linear" and node.op_type == "Gemm" and _onnx_attr(node, "transB", 0):
+        layout = "OI"
+    context["weight_layout"] = layout
+    if context.is_backward():
+        context["backward_type"] = None if op_type is None else f"{op_type}_backward"
+        context["weight_grad"] = None
+
+
+def _onnx_attr(node, name, default):
+    for attr in node.attribute:
+        if attr.name == name:
+            import onnx
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def _onnx_type(context, node):
+    if node.op_type in ("MatMul", "Gemm"):
+        return "linear" if _onnx_initializer(context, 1) is not None else "matmul"
+    if node.op_type == "Gather":
+        return "embedding" if _onnx_initializer(context, 0) is not None else "gather"
+    return canonical_type(node.op_type, ONNX_TYPES)
+
+
+def onnx_weight_rule(context):
+    """Set ``weight`` (the initializer's value) and ``as_tensor`` on ONNX
+    contexts of ops with a weight. Runs after `onnx_rule`."""
+    position = context.get("weight_input")
+    if context.is_backward() or position is None or "weight" in context:
+        return
+    initializer = _onnx_initializer(context, position)
+    if initializer is not None:
+        weight = np.asarray(initializer.to_numpy())
+    else:
+        import amanda
+        weight = np.asarray(amanda.evaluate(context.get_inputs()[position]))
+    context["weight"] = weight
+    dtype = weight.dtype
+    context["as_tensor"] = lambda array: np.asarray(array, dtype=dtype)
+
+
+#: Types and positions for every backend: ``MappingTool(rules=RULES)``.
+RULES = [["pytorch", pytorch_rule], ["tensorflow", tensorflow_rule], ["onnx", onnx_rule]]
 
 #: `RULES` plus weight values: ``MappingTool(rules=WEIGHT_RULES)``.
-WEIGHT_RULES = RULES + [["pytorch", pytorch_weight_rule], ["tensorflow", tensorflow_weight_rule]]
+WEIGHT_RULES = RULES + [["pytorch", pytorch_weight_rule], ["tensorflow", tensorflow_weight_rule],
+                        ["onnx", onnx_weight_rule]]
