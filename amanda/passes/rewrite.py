@@ -170,7 +170,11 @@ class Pattern:
         if stray:
             raise RewriteError(f"pattern {self.name!r}: ops {stray} are not ancestors of the anchor "
                                f"{self.anchor.name!r}; matching starts at the anchor")
-        names = {op.name for op in graph} | {t.name for t in graph.inputs}
+        op_names, input_names = {op.name for op in graph}, {t.name for t in graph.inputs}
+        if op_names & input_names:
+            raise RewriteError(f"pattern {self.name!r}: {sorted(op_names & input_names)} name both an op and "
+                               "a wildcard; constraints and Match[...] look nodes up by name")
+        names = op_names | input_names
         unknown = sorted(set(self.constraints) - names)
         if unknown:
             raise RewriteError(f"pattern {self.name!r}: constraints name {unknown}, which are neither "
