@@ -55,6 +55,16 @@ class GraphTracingTool(amanda.Tool):
         self.requires_graph = True
         self.graphs = collections.deque(maxlen=keep)
         self._indexes = weakref.WeakKeyDictionary()   # graph -> _OpIndex
+        self._live = None    # weakref to the graph forward contexts last showed
+        self.add_inst_for_op(self._note_graph)
+
+    def _note_graph(self, context):
+        # Eager backward contexts carry no graph: remember the step's graph
+        # from forward contexts (with the analysis cache on, backward routines
+        # run in the step whose forward routines ran, so this is that step's).
+        graph = context.get_graph()
+        if graph is not None:
+            self._live = weakref.ref(graph)
 
     # -- the graphs ---------------------------------------------------------------
     @property
@@ -76,7 +86,13 @@ class GraphTracingTool(amanda.Tool):
         backends, the graph traced so far in PyTorch eager; falls back to
         :attr:`previous` where the backend traces none."""
         graph = context.get_graph()
+        if graph is None and context.is_backward():
+            graph = self._live_graph()
         return graph if graph is not None else self.previous
+
+    def _live_graph(self):
+        graph = self._live() if self._live is not None else None
+        return graph if graph is not None and len(graph) else None
 
     # -- finding the op --------------------------------------------------------------
     def ir_op(self, context):
@@ -95,10 +111,10 @@ class GraphTracingTool(amanda.Tool):
         if op is not None:
             return op
         if context.is_backward():
-            key, graphs = context.get_backward_op_id(), (context.get_graph(), self.previous)
+            key = context.get_backward_op_id()
         else:
-            key, graphs = context.get_op_id(), (context.get_graph(), self.previous)
-        for graph in graphs:
+            key = context.get_op_id()
+        for graph in (self.current(context), self.previous):
             found = self._find(graph, key)
             if found is not None:
                 return found
@@ -119,7 +135,7 @@ class GraphTracingTool(amanda.Tool):
             context = op_or_context
             if not context.is_backward():
                 return None
-            for graph in (context.get_graph(), self.previous):
+            for graph in (self.current(context), self.previous):
                 found = self._find(graph, context.get_op_id())
                 if found is not None:
                     return found
@@ -285,28 +301,34 @@ def module_path(op):
 
 
 def forward_subgraph(graph):
-    """A copy of ``graph`` without its backward ops (nor the ops reading
-    their results, such as optimizer updates).
+    """A copy of ``graph`` without its backward ops, the ops reading their
+    results (such as optimizer updates) and the graph inputs only they read
+    (gradient seeds).
 
     Returns:
         A new :class:`amanda.ir.Graph`; ``graph`` is left untouched.
     """
-    copy = graph.copy()
+    from amanda.ir import Graph
+
     drop = set()
-    for op in copy.ops:
+    for op in graph.ops:
         if op.attrs.get("backward") or any(t.producer in drop for t in op.inputs):
-            drop.add(op)
+            drop.add(op.name)
+    data = graph.to_json()
     if not drop:
-        return copy
-    copy.set_outputs([t for t in copy.outputs if t.producer not in drop])
-    for op in copy.ops:
-        if op not in drop and any(c in drop for c in op.control_inputs):
-            op.set_control_inputs([c for c in op.control_inputs if c not in drop])
-    for op in reversed(copy.ops):
-        if op in drop:
-            op.set_control_inputs(())
-            copy.remove_op(op)
-    return copy
+        return Graph.from_json(data)
+    ops = [op for op in data["ops"] if op["name"] not in drop]
+    for op in ops:
+        op["control_inputs"] = [c for c in op.get("control_inputs", ()) if c not in drop]
+    read = {name for op in ops for name in op["inputs"]}
+    read_by_dropped = {t.name for op in graph.ops if op.name in drop for t in op.inputs}
+    data["inputs"] = [t for t in data["inputs"]
+                      if t["name"] in read or t["name"] not in read_by_dropped]
+    produced = {t["name"] for t in data["inputs"]} | {
+        out["name"] for op in ops for out in op["outputs"]}
+    data["outputs"] = [name for name in data["outputs"] if name in produced]
+    data["ops"] = ops
+    return Graph.from_json(data)
 
 
 # -- drawing without Graphviz ---------------------------------------------------------
@@ -359,7 +381,7 @@ def render_png(graph, path, forward_only=True, highlight=None, title=None, dpi=1
     positions = layered_layout(view)
     rows = 1 + max((-y for _, y in positions.values()), default=0)
     columns = max((abs(x) * 2 + 1 for x, _ in positions.values()), default=1)
-    figure, axes = plt.subplots(figsize=(max(4.0, 2.4 * columns), max(3.0, 0.9 * rows)))
+    figure, axes = plt.subplots(figsize=(max(5.5, 2.4 * columns), max(3.0, 0.9 * rows)))
     label = label or _default_label
     colours = []
     cmap = plt.get_cmap("YlOrRd")
