@@ -100,7 +100,9 @@ class QuantScheme:
         """Scale and zero point for values in ``[low, high]``.
 
         The range is widened to include 0 (so 0 is exact). Symmetric:
-        ``scale = max(|low|, high) / ((qmax - qmin) / 2)``, zero point 0;
+        ``scale = max(|low|, high) / qmax``, zero point 0 (the largest
+        magnitude lands exactly on ``±qmax``, never on a rounding tie, so every
+        backend rounds it alike; ``qmin`` stays unused);
         asymmetric: ``scale = (high - low) / (qmax - qmin)``, ``zero_point =
         qmin - round(low / scale)``. Scales are at least float32's epsilon.
 
@@ -114,7 +116,7 @@ class QuantScheme:
         low = np.minimum(np.asarray(low, dtype=np.float64), 0.0)
         high = np.maximum(np.asarray(high, dtype=np.float64), 0.0)
         if self.symmetric:
-            scale = np.maximum(np.maximum(-low, high) / ((self.qmax - self.qmin) / 2), _MIN_SCALE)
+            scale = np.maximum(np.maximum(-low, high) / self.qmax, _MIN_SCALE)
             zero_point = np.zeros_like(scale)
         else:
             scale = np.maximum((high - low) / (self.qmax - self.qmin), _MIN_SCALE)
