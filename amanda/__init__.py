@@ -12,6 +12,7 @@ from amanda.context import Action, OpContext
 from amanda.controls import (ad_disabled, ad_enabled, cache_disabled, cache_enabled,
                              disabled, enabled)
 from amanda.errors import AmandaError, BackendError, DependencyError, ToolError
+from amanda.export import export
 from amanda.instrumentation import instrument
 from amanda.runtime import evaluate
 from amanda.tool import Tool, apply
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Action", "AmandaError", "BackendError", "DependencyError", "OpContext", "Tool",
     "ToolError", "ad_disabled", "ad_enabled", "apply", "cache_disabled", "cache_enabled",
-    "disabled", "enabled", "evaluate", "instrument", "tool", "tools", "ir", "portable",
+    "disabled", "enabled", "evaluate", "export", "instrument", "tool", "tools", "ir", "portable",
 ]
 
 

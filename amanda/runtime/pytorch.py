@@ -366,9 +366,17 @@ def _module_post_hook(module, args, output):
         st.modules.pop()
 
 
+# Module types that only wrap the user's model (amanda.export's call wrapper
+# and torch's tracing wrapper): paths are named from below them, so an op has
+# the same path and id in an export as in an eager run.
+WRAPPER_MODULES = set()
+
+
 def _module_path(refs):
     """Dotted path of the innermost module, as ``named_modules()`` names it:
     "" for the root, None outside any module."""
+    if WRAPPER_MODULES:
+        refs = _below_wrappers(refs)
     if not refs:
         return None
     parts = []
@@ -378,6 +386,13 @@ def _module_path(refs):
         parts.append(_child_name(parent, child))
         parent = child
     return ".".join(parts)
+
+
+def _below_wrappers(refs):
+    start = 0
+    while start < len(refs) and type(refs[start]()) in WRAPPER_MODULES:
+        start += 1
+    return refs[start:]
 
 
 def _child_name(parent, child):
@@ -515,6 +530,17 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
+class _Exporting(threading.local):
+    """Set by ``amanda.export`` in the thread that traces a model for export:
+    ``guard(action, selected, where)`` is a context manager wrapped around each
+    routine call; it refuses routines that an exported graph cannot hold."""
+
+    guard = None
+
+
+EXPORTING = _Exporting()
+
+
 def _invoke(action, selected, where):
     """Run a routine with autodiff isolation unless it opted in. Amanda is
     disabled meanwhile: a routine's own torch calls are not instrumented
@@ -527,6 +553,10 @@ def _invoke(action, selected, where):
     if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     try:
+        guard = EXPORTING.guard
+        if guard is not None:
+            with guard(action, selected, where):
+                return call_routine(action, selected, _is_tensor, where)
         return call_routine(action, selected, _is_tensor, where)
     finally:
         if switch:
@@ -619,6 +649,14 @@ def _run_op(cache, record, func, args, kwargs):
 
 
 def _replace(action, selected, where):
+    guard = EXPORTING.guard
+    if guard is not None:
+        with guard(action, selected, where):
+            return _run_replacement(action, selected, where)
+    return _run_replacement(action, selected, where)
+
+
+def _run_replacement(action, selected, where):
     state = controls.state
     saved, state.disabled = state.disabled, True
     try:
