@@ -193,3 +193,22 @@ def test_docs_page_examples_run(tmp_path, monkeypatch):
             exec(compile(code, f"{DOCS.name} example {number}", "exec"), namespace)
     assert "linear" in out.getvalue()
     assert json.loads((tmp_path / "bert_trace.json").read_text())["traceEvents"]
+
+
+def test_flops_benchmark_structure():
+    """benchmarks/flops.py on a tiny model: structure, not timings."""
+    from benchmarks import eager, flops
+
+    def tiny():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 2)), torch.randn(3, 4)
+
+    spec = eager.ModelSpec("tiny", tiny, repeats=2, targets={}, steps_per_run=2)
+    markdown, raw = flops.run(repeats=2, specs=(spec,), log=lambda *_: None)
+    result = raw["results"][0]
+    assert set(result["configs"]) == set(flops.CONFIG_NAMES) and not result["failures"]
+    assert result["configs"]["vanilla"]["ratio"] == 1.0
+    # both count the two matrix products forward (2*3*4*8 + 2*3*8*2) and backward
+    assert result["flops"]["FlopCounterMode"] == 3 * (2 * 3 * 4 * 8 + 2 * 3 * 8 * 2) - 2 * 3 * 4 * 8
+    assert result["flops"]["FlopsProfiler"]["backward"] == 2 * (2 * 3 * 4 * 8 + 2 * 3 * 8 * 2)
+    assert "| tiny |" in markdown and "FlopCounterMode" in markdown
