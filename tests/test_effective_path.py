@@ -322,3 +322,39 @@ def test_docs_example_runs():
     namespace = {"__name__": "__docs__"}
     exec(compile(blocks[0], str(DOC), "exec"), namespace)
     assert namespace["tool"].paths
+
+
+# -- the same tool on the ONNX export --------------------------------------------------
+
+def test_same_masks_on_torch_and_onnx_versions_of_the_cnn():
+    try:
+        import onnxruntime
+        import amanda.runtime.onnx  # noqa: F401  (ONNX frontend and runtime)
+    except ImportError as error:
+        pytest.skip(f"the ONNX frontend/runtime is not available: {error}")
+    import io
+    import warnings
+    model = small_cnn().eval()
+    torch.manual_seed(4)
+    x = torch.randn(3, 2, 10, 10)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the TorchScript exporter's deprecation notice
+        torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=13,
+                          input_names=["x"], output_names=["y"])
+    for theta in (0.5, 0.9):
+        on_torch = extract(model, x, theta)
+        on_onnx = EffectivePathTool(theta=theta)
+        with amanda.apply(on_onnx):   # the same tool, through the ONNX graph pass
+            onnxruntime.InferenceSession(buffer.getvalue()).run(None, {"x": x.numpy()})
+        assert len(on_onnx.paths) == len(on_torch.paths) == 3
+        for mine, theirs in zip(on_torch.paths, on_onnx.paths):
+            assert theirs.unknown == [] and mine.label == theirs.label
+            assert list(mine.types.values()) == list(theirs.types.values())
+            for a, b in zip(mine.neurons.values(), theirs.neurons.values()):
+                np.testing.assert_array_equal(a, b)
+            assert len(mine.synapses) == len(theirs.synapses) == 4
+            for a, b in zip(mine.synapses.values(), theirs.synapses.values()):
+                np.testing.assert_array_equal(a, b)
+            (pixels,) = mine.inputs.values()
+            np.testing.assert_array_equal(pixels, theirs.inputs["x"])

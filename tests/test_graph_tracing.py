@@ -226,3 +226,59 @@ def test_docs_example_runs(tmp_path, monkeypatch):
     namespace = {"__name__": "__docs__"}
     exec(compile(blocks[0], str(DOC), "exec"), namespace)
     assert (tmp_path / "cnn.png").exists()
+
+
+# -- torch CNN vs its ONNX export, up to the mapping ------------------------------------
+
+class TypedGraph(amanda.Tool):
+    """Records the graph and every op's canonical type, on any backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracer = GraphTracingTool()
+        self.depends_on(self.tracer, MappingTool(rules=mapping_rules.RULES))
+        self.types, self.graph = {}, None
+        self.add_inst_for_op(self.note, require_outputs=True)
+
+    def note(self, context):
+        op = self.tracer.ir_op(context)
+        self.graph = self.tracer.current(context)
+        self.types[op.name] = context["type"]
+
+
+def wiring_up_to_mapping(graph, types):
+    """Canonical op types and op-to-op edges; constants (ONNX shape operands)
+    and graph inputs (weights, the model input) left out."""
+    ops = [op for op in graph.ops if types.get(op.name) not in (None, "constant")]
+    position = {op: i for i, op in enumerate(ops)}
+    return [(types[op.name], [position[t.producer] for t in op.inputs if t.producer in position])
+            for op in ops]
+
+
+def test_torch_cnn_and_its_onnx_export_give_the_same_graph_up_to_the_mapping(cnn):
+    try:
+        import onnxruntime
+        from amanda.frontends.onnx import lift  # noqa: F401  (the ONNX frontend)
+        import amanda.runtime.onnx  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"the ONNX frontend/runtime is not available: {error}")
+    import io
+    import warnings
+    x = torch.rand(2, 3, 32, 32)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the TorchScript exporter's deprecation notice
+        torch.onnx.export(cnn.eval(), (x,), buffer, dynamo=False, opset_version=13,
+                          input_names=["x"], output_names=["y"])
+    on_torch, on_onnx = TypedGraph(), TypedGraph()
+    with torch.no_grad(), amanda.apply(on_torch):
+        cnn(x)
+    with amanda.apply(on_onnx):
+        session = onnxruntime.InferenceSession(buffer.getvalue())
+        session.run(None, {"x": x.numpy()})
+    assert on_onnx.graph.namespace.startswith("onnx/")
+    torch_wiring = wiring_up_to_mapping(on_torch.tracer.graph, on_torch.types)
+    onnx_wiring = wiring_up_to_mapping(on_onnx.graph, on_onnx.types)
+    assert [t for t, _ in torch_wiring] == ["conv2d", "conv2d", "max_pool2d", "conv2d", "conv2d",
+                                            "max_pool2d", "reshape", "linear", "relu", "linear"]
+    assert torch_wiring == onnx_wiring

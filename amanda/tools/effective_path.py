@@ -139,6 +139,9 @@ class OpValues:
 
 def _linear(v):
     x, weight = v.inputs[0], v.inputs[1]
+    transposed = v.params.get("weight_layout", "OI") == "IO"   # ONNX MatMul, Gemm transB=0
+    if transposed:
+        weight = weight.T
     batch, width = x.shape[0], x.shape[-1]
     rows = x.reshape(batch, -1, width).astype(np.float64)
     w = weight.astype(np.float64)
@@ -151,6 +154,8 @@ def _linear(v):
         m, i = np.nonzero(selected)
         critical[n[start:stop][m], p[start:stop][m], i] = True
         synapses[n[start:stop][m], j[start:stop][m], i] = True
+    if transposed:
+        synapses = synapses.transpose(0, 2, 1)
     return Extraction({0: critical.reshape(x.shape)}, synapses)
 
 
@@ -356,6 +361,35 @@ def _torch_pool_params(names):
     return read
 
 
+def _onnx_conv_params(op, values):
+    attrs, rank = op.attrs, np.ndim(values[1]) - 2
+    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise ToolError(f"effective path: auto_pad={attrs['auto_pad']!r} is not supported",
+                        op_name=op.name, namespace=op.namespace)
+    return {"strides": tuple(attrs.get("strides", [1] * rank)),
+            "pads": tuple(attrs.get("pads", [0] * 2 * rank)),
+            "dilations": tuple(attrs.get("dilations", [1] * rank)),
+            "groups": int(attrs.get("group", 1))}
+
+
+def _onnx_pool_params(op, values):
+    attrs = op.attrs
+    kernel = tuple(attrs["kernel_shape"])
+    params = {"kernel": kernel, "strides": tuple(attrs.get("strides", [1] * len(kernel))),
+              "pads": tuple(attrs.get("pads", [0] * 2 * len(kernel))),
+              "dilations": tuple(attrs.get("dilations", [1] * len(kernel))),
+              "count_include_pad": bool(attrs.get("count_include_pad", 0))}
+    return params
+
+
+def _onnx_linear_params(op, values):
+    if op.type == "Gemm" and (op.attrs.get("transA", 0) or np.ndim(values[0]) != 2):
+        raise ToolError("effective path: Gemm with transA is not supported",
+                        op_name=op.name, namespace=op.namespace)
+    layout = "OI" if op.type == "Gemm" and op.attrs.get("transB", 0) else "IO"
+    return {"weight_layout": layout}
+
+
 #: ``namespace prefix -> {canonical type: reader(op, input values) -> params}``.
 PARAM_READERS = {
     "pytorch": {
@@ -364,6 +398,12 @@ PARAM_READERS = {
                                           "ceil_mode", "return_indices"]),
         "avg_pool2d": _torch_pool_params(["kernel_size", "stride", "padding", "ceil_mode",
                                           "count_include_pad", "divisor_override"]),
+    },
+    "onnx": {
+        "conv2d": _onnx_conv_params,
+        "max_pool2d": _onnx_pool_params,
+        "avg_pool2d": _onnx_pool_params,
+        "linear": _onnx_linear_params,
     },
 }
 
@@ -564,8 +604,8 @@ def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
                 path.synapses[op.name] = found[op][b]
         for tensor in graph.inputs:
             mask = masks.get(tensor)
-            if mask is not None and mask.shape[0] == len(labels) and tensor.attrs.get(
-                    "kind", "input") == "input":
+            weight = tensor.attrs.get("kind", "input") != "input" or "initializer" in tensor.attrs
+            if mask is not None and not weight and mask.shape[0] == len(labels):
                 path.inputs[tensor.name] = mask[b]
         path.unknown = list(unknown)
         paths.append(path)
@@ -622,17 +662,34 @@ class EffectivePathTool(amanda.Tool):
         inputs and outputs each time it runs."""
         op_id = context.get_op_id()
         self._types[op_id] = context.get("type") or context.get_op_name()
+        last = self._whole_graph_output(context)
         context.insert_before_op(self._keep_inputs, op_id=op_id)
-        context.insert_after_op(self._keep_outputs, op_id=op_id)
+        context.insert_after_op(self._keep_outputs, op_id=op_id, graph=last)
+
+    def _whole_graph_output(self, context):
+        """On a graph backend (the op is in the whole graph before anything
+        ran), the graph if this op makes its logits, else None; eager steps
+        end through ``graph_completed`` instead."""
+        ir_op = context.get_ir_op()
+        graph = context.get_graph()
+        if ir_op is None or graph is None or "op_id" in ir_op.attrs:
+            return None
+        target = self._output_tensor(graph, required=False)
+        if target is None:
+            forward = [op for op in graph.ops if not op.attrs.get("backward")]
+            target = forward[-1].outputs[0] if forward and forward[-1].outputs else None
+        return graph if target is not None and target.producer is ir_op else None
 
     def _keep_inputs(self, *tensors, op_id):
-        self._pending[op_id] = [amanda.evaluate(t).copy() for t in tensors]
+        self._pending[op_id] = [np.array(amanda.evaluate(t)) for t in tensors]
 
-    def _keep_outputs(self, *tensors, op_id):
+    def _keep_outputs(self, *tensors, op_id, graph=None):
         # Committed after the op ran: when this op starts the next step, the
         # previous step's graph is completed before its values are replaced.
         inputs = self._pending.pop(op_id, [])
-        self._values[op_id] = (inputs, [amanda.evaluate(t).copy() for t in tensors])
+        self._values[op_id] = (inputs, [np.array(amanda.evaluate(t)) for t in tensors])
+        if graph is not None:   # a graph backend ran the op making the logits
+            self.graph_completed(graph)
 
     def graph_completed(self, graph):
         values, self._values = self._values, {}
@@ -666,11 +723,11 @@ class EffectivePathTool(amanda.Tool):
         return paths
 
     def _type_of(self, op):
-        found = self._types.get(op.attrs.get("op_id"))
+        found = self._types.get(_op_key(op))
         return found if found is not None else mapping_rules.canonical_type(
             op.type, mapping_rules.PYTORCH_TYPES)
 
-    def _output_tensor(self, graph):
+    def _output_tensor(self, graph, required=True):
         if self.output is None:
             return None
         if callable(self.output):
@@ -680,6 +737,8 @@ class EffectivePathTool(amanda.Tool):
             matches = [op for op in graph.ops if not op.attrs.get("backward")
                        and op.attrs.get("module") == self.output]
         if not matches or not matches[-1].outputs:
+            if not required:
+                return None
             raise ToolError(f"no forward op matches output={self.output!r} in this step",
                             tool=self)
         return matches[-1].outputs[0]
@@ -694,9 +753,15 @@ class EffectivePathTool(amanda.Tool):
         self.unknown.clear()
 
 
+def _op_key(op):
+    """The stable op id of an IR op: the eager trace's ``op_id`` attr; the
+    op name on graph backends (what ``context.get_op_id()`` returns there)."""
+    return op.attrs.get("op_id", op.name)
+
+
 class _EagerValues:
-    """``value_of`` for a PyTorch eager step: the NumPy copies the tool's
-    routines kept, by op id; graph inputs through the ops reading them."""
+    """``value_of`` for a step: the NumPy copies the tool's routines kept, by
+    stable op id; graph inputs through the ops reading them."""
 
     def __init__(self, graph, values):
         self.values = values
@@ -707,12 +772,12 @@ class _EagerValues:
         if found is not None:
             return found
         if tensor.producer is not None:
-            entry = self.values.get(tensor.producer.attrs.get("op_id"))
+            entry = self.values.get(_op_key(tensor.producer))
             value = entry[1][tensor.index] if entry and tensor.index < len(entry[1]) else None
         else:
             value = None
             for op, position in tensor.uses:
-                entry = self.values.get(op.attrs.get("op_id"))
+                entry = self.values.get(_op_key(op))
                 if entry and position < len(entry[0]):
                     value = entry[0][position]
                     break
