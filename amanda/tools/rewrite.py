@@ -234,29 +234,37 @@ def _onnx_fold_bn(match):
     def onnx_op(op_type, inputs, suffix, attrs=None):
         return graph.create_op(op_type, inputs, attrs=dict(attrs or {}), name=f"{base}/folded/{suffix}").outputs[0]
 
-    eps_t = onnx_constant(graph, eps, f"{base}/folded/eps", like=var)
+    eps_t = _onnx_constant(graph, f"{base}/folded/eps", value_float=eps)
     scale = onnx_op("Mul", [gamma, onnx_op("Reciprocal", [onnx_op("Sqrt", [onnx_op("Add", [var, eps_t], "var_eps")],
                                                                       "std")], "inv_std")], "scale")
-    axes = onnx_constant(graph, [1, 2, 3], f"{base}/folded/axes", dtype="int64")
+    axes = _onnx_constant(graph, f"{base}/folded/axes", value_ints=[1, 2, 3])
     weight = onnx_op("Mul", [w, onnx_op("Unsqueeze", [scale, axes], "scale4d")], "weight")
     centred = (onnx_op("Sub", [conv.inputs[2], mean], "centred") if len(conv.inputs) > 2
                else onnx_op("Neg", [mean], "neg_mean"))
     bias = onnx_op("Add", [onnx_op("Mul", [centred, scale], "bias_scaled"), beta], "bias")
-    folded = graph.create_op("Conv", [x, weight, bias], attrs=dict(conv.attrs), name=f"{base}/folded/conv")
+    folded = graph.create_op("Conv", [x, weight, bias], attrs=_onnx_attrs_of_new_op(conv.attrs),
+                             name=f"{base}/folded/conv")
     _like(folded, bn.outputs[0])
     return [folded.outputs[0]]
 
 
-def onnx_constant(graph, value, name, dtype=None, like=None):
-    """Creates an ONNX ``Constant`` op holding ``value`` (dtype from ``like`` or given)."""
-    import numpy as np
-    import onnx.numpy_helper
-
-    dtype = dtype or (like.attrs.get("dtype") if like is not None else None) or "float32"
-    array = np.asarray(value, dtype=dtype)
-    made = graph.create_op("Constant", [], attrs={"value": onnx.numpy_helper.from_array(array, name)}, name=name)
-    made.outputs[0].attrs = {"dtype": str(array.dtype), "shape": list(array.shape)}
+def _onnx_constant(graph, name, value_float=None, value_ints=None):
+    """An ONNX ``Constant`` holding a float32 scalar or an int64 vector (no onnx import needed)."""
+    if value_ints is not None:
+        made = graph.create_op("Constant", [], attrs={"value_ints": list(value_ints)}, name=name)
+        made.outputs[0].attrs = {"dtype": "int64", "shape": [len(value_ints)]}
+    else:
+        made = graph.create_op("Constant", [], attrs={"value_float": float(value_float)}, name=name)
+        made.outputs[0].attrs = {"dtype": "float32", "shape": []}
     return made.outputs[0]
+
+
+def _onnx_attrs_of_new_op(attrs):
+    """A copy of a node's attrs for a new node: the ONNX node name is not copied."""
+    attrs = dict(attrs)
+    if isinstance(attrs.get("_onnx"), dict):
+        attrs["_onnx"] = {k: v for k, v in attrs["_onnx"].items() if k != "name"}
+    return attrs
 
 
 # ---------------------------------------------------------------------------
