@@ -71,7 +71,7 @@ def ref_conv(layer, x, out_mask, theta):
     w = layer.weight.detach().numpy()
     (s, _), (p, _) = layer.stride, layer.padding
     _, cin, height, width = x.shape
-    cout, _, kh, kw = w.shape
+    _, _, kh, kw = w.shape
     in_mask = np.zeros(x.shape, bool)
     synapses = np.zeros((x.shape[0],) + w.shape, bool)
     for n, co, oh, ow in zip(*np.nonzero(out_mask)):
@@ -243,7 +243,7 @@ def test_unknown_ops_are_reported_or_raise():
     assert set(path.types.values()) == {"linear", "cumsum"}
     strict = extract(model, x, 0.5, strict=True)
     with pytest.raises(ToolError, match="no extraction rule for op type 'cumsum'") as error:
-        strict.paths
+        _ = strict.paths
     assert "cumsum" in str(error.value)
 
 
@@ -251,7 +251,7 @@ def test_bad_theta_and_output():
     with pytest.raises(ToolError, match="theta"):
         EffectivePathTool(theta=0)
     with pytest.raises(ToolError, match="no forward op matches"):
-        extract(mlp(), torch.rand(1, 12), 0.5, output="nowhere").paths
+        _ = extract(mlp(), torch.rand(1, 12), 0.5, output="nowhere").paths
 
 
 def test_output_by_module_path_and_labels_from_graph_walk():
@@ -317,10 +317,10 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "effec
 
 
 def test_docs_example_runs():
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert blocks
     namespace = {"__name__": "__docs__"}
-    exec(compile(blocks[0], str(DOC), "exec"), namespace)
+    exec(compile(blocks[0], str(DOC), "exec"), namespace)  # noqa: S102 (the docs example)
     assert namespace["tool"].paths
 
 
@@ -329,7 +329,8 @@ def test_docs_example_runs():
 def test_same_masks_on_torch_and_onnx_versions_of_the_cnn():
     try:
         import onnxruntime
-        import amanda.runtime.onnx  # noqa: F401  (ONNX frontend and runtime)
+
+        import amanda.runtime.onnx
     except ImportError as error:
         pytest.skip(f"the ONNX frontend/runtime is not available: {error}")
     import io

@@ -14,7 +14,12 @@ import amanda
 from amanda.errors import ToolError
 from amanda.ir import Graph
 from amanda.tools import mapping_rules
-from amanda.tools.graph import GraphTracingTool, forward_op_of, forward_subgraph, module_path
+from amanda.tools.graph import (
+    GraphTracingTool,
+    forward_op_of,
+    forward_subgraph,
+    module_path,
+)
 from amanda.tools.mapping import MappingTool
 
 
@@ -221,10 +226,10 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "graph
 
 def test_docs_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert blocks
     namespace = {"__name__": "__docs__"}
-    exec(compile(blocks[0], str(DOC), "exec"), namespace)
+    exec(compile(blocks[0], str(DOC), "exec"), namespace)  # noqa: S102 (the docs example)
     assert (tmp_path / "cnn.png").exists()
 
 
@@ -258,8 +263,9 @@ def wiring_up_to_mapping(graph, types):
 def test_torch_cnn_and_its_onnx_export_give_the_same_graph_up_to_the_mapping(cnn):
     try:
         import onnxruntime
+
+        import amanda.runtime.onnx
         from amanda.frontends.onnx import lift  # noqa: F401  (the ONNX frontend)
-        import amanda.runtime.onnx  # noqa: F401
     except ImportError as error:
         pytest.skip(f"the ONNX frontend/runtime is not available: {error}")
     import io

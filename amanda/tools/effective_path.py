@@ -55,9 +55,19 @@ from amanda.tools import mapping_rules
 from amanda.tools.graph import GraphTracingTool, module_path
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["EffectivePath", "EffectivePathTool", "Extraction", "RULES", "PARAM_READERS",
-           "PASS_THROUGH_TYPES", "RESHAPE_TYPES", "class_paths", "extract_paths",
-           "select_contributions", "similarity"]
+__all__ = [
+    "PARAM_READERS",
+    "PASS_THROUGH_TYPES",
+    "RESHAPE_TYPES",
+    "RULES",
+    "EffectivePath",
+    "EffectivePathTool",
+    "Extraction",
+    "class_paths",
+    "extract_paths",
+    "select_contributions",
+    "similarity",
+]
 
 # Critical neurons of this many (neuron, contribution) pairs are selected at once.
 _CHUNK_ELEMENTS = 1 << 22
@@ -130,7 +140,7 @@ class OpValues:
         theta: the selection threshold.
     """
 
-    __slots__ = ("op", "type", "inputs", "output", "mask", "params", "theta")
+    __slots__ = ("inputs", "mask", "op", "output", "params", "theta", "type")
 
     def __init__(self, op, type, inputs, output, mask, params, theta):
         self.op, self.type, self.inputs, self.output = op, type, inputs, output
@@ -184,7 +194,7 @@ def _conv2d(v):
     x, weight = v.inputs[0], v.inputs[1]
     params = v.params
     groups = params["groups"]
-    batch, channels, height, width = x.shape
+    batch = x.shape[0]
     out_channels, group_in, kh, kw = weight.shape
     group_out = out_channels // groups
     windows = _windows(x.astype(np.float64), (kh, kw), params["strides"], params["pads"],

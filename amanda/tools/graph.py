@@ -36,8 +36,15 @@ from amanda.errors import ToolError
 from amanda.ir import to_dot as _ir_to_dot
 from amanda.ir import to_networkx as _ir_to_networkx
 
-__all__ = ["GraphTracingTool", "forward_op_of", "producers", "module_path", "render_png",
-           "layered_layout"]
+__all__ = [
+    "GraphTracingTool",
+    "forward_op_of",
+    "forward_subgraph",
+    "layered_layout",
+    "module_path",
+    "producers",
+    "render_png",
+]
 
 
 class GraphTracingTool(amanda.Tool):
