@@ -233,12 +233,16 @@ def test_bert_linear_layers_are_pruned_2_of_4_along_the_input():
 
 
 @pytest.mark.slow
-def test_docs_page_examples_run(monkeypatch, tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert blocks
+def test_docs_page_examples_run_and_print_what_they_show(monkeypatch, tmp_path):
+    blocks = re.findall(r"```(\w+)\n(.*?)```", DOCS.read_text(), re.S)
+    examples = [(body, blocks[i + 1][1] if i + 1 < len(blocks) and blocks[i + 1][0] == "text"
+                 else None) for i, (lang, body) in enumerate(blocks) if lang == "python"]
+    assert len(examples) >= 3
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__docs__"}
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        for number, code in enumerate(blocks, 1):
+    for number, (code, expected) in enumerate(examples, 1):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
             exec(compile(code, f"{DOCS.name} example {number}", "exec"), namespace)
-    assert "total" in out.getvalue()
+        if expected is not None:
+            assert out.getvalue() == expected, f"example {number} printed:\n{out.getvalue()}"
+    assert namespace["tf_pruner"].report()["total"]["sparsity"] == pytest.approx(0.9, abs=1e-3)
