@@ -351,7 +351,7 @@ def match_at(pattern, graph, op):
             _match_op(output.producer, _producer_or_fail(output, match), match)
         _check_closed(match)
     except MatchFailure as failure:
-        failure.matched = len(match.ops)
+        _note_depth(failure, match)
         return failure
     return match
 
@@ -408,9 +408,17 @@ def _match_inputs(p_op, g_op, match, orders=None):
                 _match_tensor(p_op.inputs[p_pos], g_op.inputs[g_pos], match)
             return
         except MatchFailure as error:
+            _note_depth(error, match)
             match._restore(snapshot)
-            failure = failure or error
+            if failure is None or error.depth > failure.depth:
+                failure = error  # explain the order that got furthest
     raise failure
+
+
+def _note_depth(failure, match):
+    """How far matching got when ``failure`` was raised (ops and bindings matched)."""
+    if not hasattr(failure, "depth"):
+        failure.depth = len(match.ops) + len(match.bindings)
 
 
 def _match_tensor(p_t, g_t, match):
@@ -545,7 +553,7 @@ def explain(pattern, graph, at=None):
         for c, r in results:
             if isinstance(r, Match):
                 return _explained(pattern, c, r)
-        c, r = max(results, key=lambda cr: cr[1].matched)
+        c, r = max(results, key=lambda cr: cr[1].depth)  # the first of the furthest
         return _explained(pattern, c, r)
     op = at
     if isinstance(at, str):
