@@ -493,6 +493,24 @@ def test_user_exception_inside_apply_restores_backend():
     assert backend_is_clean()
 
 
+def test_a_failing_graph_completed_still_restores_backend(cnn):
+    from amanda.tools.graph import GraphTracingTool
+
+    class Fails(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.depends_on(GraphTracingTool())
+            self.requires_graph = True
+
+        def graph_completed(self, graph):
+            raise ValueError("walk failed")
+
+    with pytest.raises(AmandaError, match="graph_completed raised ValueError"):
+        with amanda.apply(Fails()):
+            cnn(torch.rand(1, 3, 32, 32))
+    assert backend_is_clean()
+
+
 def test_bad_tools_are_rejected():
     with pytest.raises(AmandaError, match="needs amanda.Tool objects"):
         amanda.apply(object())

@@ -848,8 +848,14 @@ class TorchEagerDriver:
     def exit(self, session, restored):
         st = _state()
         cache = session.caches.get("pytorch")
-        if cache is not None and cache.trace is not None:
-            cache.trace.finish()  # a scope's end ends the traced step
+        try:
+            if cache is not None and cache.trace is not None:
+                cache.trace.finish()  # a scope's end ends the traced step (tools may raise)
+        finally:
+            self._leave(st, restored)
+
+    def _leave(self, st, restored):
+        """Pop one scope: at the outermost, remove the mode and hooks."""
         st.remember_clean_step()
         st.depth -= 1
         if st.depth == 0:
