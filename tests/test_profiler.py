@@ -99,8 +99,18 @@ def test_times_add_up_within_the_step(profiled):
     table = profiler.table(top=5)
     assert "linear" in table and "total" in table and "more" in table
     assert "encoder.layer.0" in profiler.table(by="module", depth=3)
+    by_op = profiler.table(by="op", top=None)
+    assert len(by_op.splitlines()) == len({(i.phase, i.key) for i, _, _ in profiler.events}) + 4
     with pytest.raises(amanda.AmandaError, match="phase"):
         profiler.total_us("sideways")
+    with pytest.raises(amanda.AmandaError, match="by must be"):
+        profiler.table(by="colour")
+
+
+def test_timeline_plot(profiled, tmp_path):
+    profiler, _, _ = profiled
+    path = profiler.plot_timeline(tmp_path / "timeline.png", title="BERT")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _assert_nested(events):

@@ -233,6 +233,8 @@ class OpProfiler(amanda.Tool):
     def _start(self, *unused, info):
         record_function = self._record_function
         if record_function is not None:
+            if info.phase == FORWARD:
+                self._close_stale_ranges()
             scope = record_function(f"{RANGE_PREFIX}{info.index}")
             scope.__enter__()
             self._ranges[info] = scope
@@ -254,6 +256,13 @@ class OpProfiler(amanda.Tool):
         scope = self._ranges.pop(info, None)
         if scope is not None:
             scope.__exit__(None, None, None)
+
+    def _close_stale_ranges(self):
+        """Eager forward ops run one at a time: a forward range still open
+        when the next forward op starts belongs to an op that returned no
+        tensor (no after point); close it there so ranges stay nested."""
+        for stale in [i for i in self._ranges if i.phase == FORWARD]:
+            self._ranges.pop(stale).__exit__(None, None, None)
 
     # -- aggregates --------------------------------------------------------------
     @staticmethod
@@ -356,8 +365,8 @@ class OpProfiler(amanda.Tool):
         elif by == "module":
             rows = self.by_module(phase, depth)
         elif by == "op":
-            rows = {f"{info.name} {info.module or ''}".strip(): row
-                    for (_, _), row in self.by_op(phase).items() for info in [row["info"]]}
+            rows = {f"{row['info'].name} [{row['info'].module or ''}] #{row['info'].index}": row
+                    for row in self.by_op(phase).values()}
         else:
             raise AmandaError(f"OpProfiler.table: by must be 'type', 'name', 'module' or "
                               f"'op', got {by!r}")
@@ -551,13 +560,12 @@ class OpProfiler(amanda.Tool):
             ``path``.
         """
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure   # no pyplot: the user's backend is left alone
         from matplotlib.patches import Patch
 
         origin = min((start for _, start, _ in self.events), default=0)
         types = list(self.by_type())[:top_types]
-        palette = plt.get_cmap("tab10")
+        palette = matplotlib.colormaps["tab10"]
         colours = {t: palette(i % 10) for i, t in enumerate(types)}
         forward = sorted(((s, e, i) for i, s, e in self.events if i.phase == FORWARD),
                          key=lambda x: x[0])
@@ -566,7 +574,8 @@ class OpProfiler(amanda.Tool):
         spans = [sp for sp in _module_spans(forward) if 0 < len(sp[0]) <= module_depth]
         depths = sorted({len(p) for p, _, _, _ in spans})
         rows = [f"modules (depth {d})" for d in depths] + ["forward ops", "backward ops"]
-        fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * len(rows)))
+        fig = Figure(figsize=(14, 1.0 + 0.55 * len(rows)))
+        ax = fig.subplots()
         y_of = {label: len(rows) - 1 - i for i, label in enumerate(rows)}
         for path_parts, start, end, namespace in spans:
             y = y_of[f"modules (depth {len(path_parts)})"]
@@ -593,7 +602,6 @@ class OpProfiler(amanda.Tool):
         ax.set_title(title or "amanda OpProfiler timeline", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=150)
-        plt.close(fig)
         return path
 
     def _span_ns(self, origin):
