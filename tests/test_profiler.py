@@ -157,7 +157,8 @@ def test_lanes_and_module_spans():
         def __init__(self, module):
             self.module, self.namespace = module, "pytorch/x/eager"
 
-    items = [(0, 10, Info("a.b")), (10, 20, Info("a.b")), (20, 30, Info("a.c")), (30, 40, Info(None)),
+    items = [(0, 10, Info("a.b")), (10, 20, Info("a.b")), (20, 30, Info("a.c")),
+             (30, 40, Info(None)),
              (40, 50, Info("a"))]
     spans = sorted((".".join(p), s, e) for p, s, e, _ in _module_spans(items))
     assert spans == [("a", 0, 30), ("a", 40, 50), ("a.b", 0, 20), ("a.c", 20, 30)]

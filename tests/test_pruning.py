@@ -44,7 +44,8 @@ def test_magnitude_mask_prunes_the_smallest(size, sparsity, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from([(2, 4), (1, 4), (4, 8), (1, 2)]), st.integers(0, 3), st.integers(0, 2 ** 31))
+@given(st.sampled_from([(2, 4), (1, 4), (4, 8), (1, 2)]), st.integers(0, 3),
+       st.integers(0, 2 ** 31))
 def test_nm_mask_keeps_n_largest_of_every_m_along_the_axis(nm, axis, seed):
     n, m = nm
     shape = [3, 2, 2, 2]

@@ -514,7 +514,8 @@ class OpProfiler(amanda.Tool):
         result = {}
         for index, groups in self._kernels.items():
             info = self.ops[index]
-            entry = result.setdefault((info.phase, info.key), {"info": info, "cpu": {}, "device": {}})
+            entry = result.setdefault((info.phase, info.key),
+                                      {"info": info, "cpu": {}, "device": {}})
             for side in ("cpu", "device"):
                 for name, (calls, us) in groups[side].items():
                     slot = entry[side].setdefault(name, {"calls": 0, "us": 0.0})
@@ -577,14 +578,15 @@ class OpProfiler(amanda.Tool):
         fig = Figure(figsize=(14, 1.0 + 0.55 * len(rows)))
         ax = fig.subplots()
         y_of = {label: len(rows) - 1 - i for i, label in enumerate(rows)}
-        for path_parts, start, end, namespace in spans:
+        span_ms = self._span_ns(origin) / 1e6
+        for path_parts, start, end, _ in spans:
             y = y_of[f"modules (depth {len(path_parts)})"]
-            ax.broken_barh([((start - origin) / 1e6, (end - start) / 1e6)], (y - 0.35, 0.7),
-                           facecolors="#d9d9d9", edgecolors="#7f7f7f", linewidth=0.4)
-            width_ms = (end - start) / 1e6
-            if width_ms > 0.06 * ((self._span_ns(origin)) / 1e6):
-                ax.text((start - origin) / 1e6 + width_ms / 2, y, path_parts[-1], ha="center",
-                        va="center", fontsize=6, clip_on=True)
+            left, width = (start - origin) / 1e6, (end - start) / 1e6
+            ax.broken_barh([(left, width)], (y - 0.35, 0.7), facecolors="#d9d9d9",
+                           edgecolors="#7f7f7f", linewidth=0.4)
+            if width > 0.06 * span_ms:   # label the spans wide enough to read
+                ax.text(left + width / 2, y, path_parts[-1], ha="center", va="center",
+                        fontsize=6, clip_on=True)
         for label, items in (("forward ops", forward), ("backward ops", backward)):
             y = y_of[label]
             bars = [((s - origin) / 1e6, max((e - s) / 1e6, 1e-4)) for s, e, _ in items]
@@ -593,11 +595,11 @@ class OpProfiler(amanda.Tool):
         ax.set_yticks([y_of[r] for r in rows])
         ax.set_yticklabels(rows, fontsize=8)
         ax.set_xlabel("time (ms)")
-        ax.set_xlim(0, self._span_ns(origin) / 1e6)
+        ax.set_xlim(0, span_ms)
         legend = [Patch(facecolor=colours[t], label=str(t)) for t in types]
         legend.append(Patch(facecolor="#bdbdbd", label="other"))
-        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) < 5
-                                                                       else -0.15),
+        below = -0.25 if len(rows) < 5 else -0.15
+        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, below),
                   ncol=min(len(legend), 9), fontsize=7, frameon=False)
         ax.set_title(title or "amanda OpProfiler timeline", fontsize=10)
         fig.tight_layout()
@@ -608,7 +610,8 @@ class OpProfiler(amanda.Tool):
         return max((end for _, _, end in self.events), default=origin) - origin
 
     def __repr__(self):
-        return (f"OpProfiler({len(self.events)} events, forward {self.total_us('forward') / 1e3:.3f} "
+        return (f"OpProfiler({len(self.events)} events, "
+                f"forward {self.total_us('forward') / 1e3:.3f} "
                 f"ms, backward {self.total_us('backward') / 1e3:.3f} ms)")
 
 

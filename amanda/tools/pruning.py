@@ -160,7 +160,8 @@ def _pytorch_layout_rule(context):
         context["weight_input_axis"] = 1
 
 
-_TF_AXES = {"conv2d": (3, 2), "depthwise_conv2d": (2, None), "linear": (1, 0)}  # HWIO, HWCM, (in, out)
+# (output axis, input axis) in TF layouts: HWIO, HWCM, (in, out)
+_TF_AXES = {"conv2d": (3, 2), "depthwise_conv2d": (2, None), "linear": (1, 0)}
 
 
 def _tensorflow_layout_rule(context):
