@@ -104,13 +104,13 @@ def export_torch(model, args, tools, *, f=None, kwargs=None, opset=None, input_n
     _check_arguments(args, kwargs)
     call = _Call(model, args, kwargs)
     tensors = call.tensors()
-    with _model_unchanged(model), torch.no_grad(), _refusing_unportable():
-        with apply(_ExportOf(tools)), controls.disabled():
-            call(*tensors)   # the analysis run: actions recorded on real tensors
-            proto = _trace_to_onnx(
-                call, tensors, opset or DEFAULT_OPSET,
-                input_names or _input_names(model, args, kwargs, call.slots),
-                output_names or call.output_names, dynamic_axes)
+    with _model_unchanged(model), torch.no_grad(), _refusing_unportable(), \
+            apply(_ExportOf(tools)), controls.disabled():
+        call(*tensors)   # the analysis run: actions recorded on real tensors
+        proto = _trace_to_onnx(
+            call, tensors, opset or DEFAULT_OPSET,
+            input_names or _input_names(model, args, kwargs, call.slots),
+            output_names or call.output_names, dynamic_axes)
     return _finish(proto, tools, ir_version, f)
 
 
