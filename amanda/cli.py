@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import inspect
 import json
@@ -278,16 +279,658 @@ def _count_tool_listing():
             + "    model(x).sum().backward()\n")
 
 
+# -- shared helpers for the tool commands ---------------------------------------------------
+
+class MissingPiece(UsageError):
+    """A subcommand needs a module that is not in this installation."""
+
+
+def _require(module, command, what):
+    """Import ``module`` or fail naming the missing piece."""
+    import importlib
+    import importlib.util
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise MissingPiece(f"`amanda {command}` needs {what} ({module}), which is not "
+                           "installed in this tree")
+    return importlib.import_module(module)
+
+
+def _load(spec, command, frameworks=("pytorch", "tensorflow", "onnx")):
+    """Load one model spec, checking the command supports its framework."""
+    workload = _Workloads([spec])(spec)
+    if workload.framework not in frameworks:
+        raise UsageError(f"`amanda {command}` works on {' and '.join(frameworks)} models; "
+                         f"{spec} is a {workload.framework} model")
+    return workload
+
+
+def _use_rich():
+    import importlib.util
+    return (sys.stdout.isatty() and not os.environ.get("AMANDA_PLAIN")
+            and importlib.util.find_spec("rich") is not None)
+
+
+def _print_table(headers, rows, align, title=None):
+    """Print a table: a rich table on a terminal, plain text otherwise
+    (pipes, files, tests, ``AMANDA_PLAIN=1``)."""
+    rows = [[str(cell) for cell in row] for row in rows]
+    if _use_rich():
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title, title_justify="left")
+        for header, a in zip(headers, align):
+            table.add_column(header, justify="right" if a == ">" else "left")
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    if title:
+        print(title)
+    print(_table(headers, rows, align))
+
+
+def _progress(iterable, total, label):
+    """Iterate with a progress bar on a terminal (rich, on stderr); plain
+    iteration otherwise."""
+    if total <= 1 or not sys.stderr.isatty() or os.environ.get("AMANDA_PLAIN"):
+        yield from iterable
+        return
+    from rich.console import Console
+    from rich.progress import track
+    yield from track(iterable, total=total, description=label, transient=True,
+                     console=Console(stderr=True))
+
+
+def _safe_name(spec):
+    """A file-name-safe form of a model spec (``keras:resnet50`` -> ``keras-resnet50``)."""
+    base = os.path.basename(spec) if os.sep in spec else spec
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in base).strip("-") or "model"
+
+
+def _add_model_argument(parser):
+    parser.add_argument("model", metavar="MODEL", help=_model_help())
+
+
+def _add_out_argument(parser, files):
+    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                        help=f"where to write {files} (default: {DEFAULT_OUT}/)")
+
+
+def _relative_error(reference, value):
+    import numpy as np
+    reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
+    norm = float(np.linalg.norm(reference))
+    return float(np.linalg.norm(value - reference)) / norm if norm else float(np.abs(value).max())
+
+
+def _sqnr_db(reference, value):
+    import numpy as np
+    reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
+    noise = float(((value - reference) ** 2).sum())
+    return float("inf") if noise == 0 else 10 * float(np.log10((reference ** 2).sum() / noise))
+
+
+def _jsonable(value):
+    """Tuples, NumPy values and other objects as JSON-friendly values."""
+    import numpy as np
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+# -- trace ----------------------------------------------------------------------------------
+
+def run_trace(args):
+    profiler_module = _require("amanda.tools.profiler", "trace", "the op profiler")
+    work = _load(args.model, "trace")
+    profiler = profiler_module.OpProfiler()
+    steps = max(1, args.steps)
+    with amanda.apply(profiler):
+        work.run()                    # first step: analysis runs, not representative
+        if steps > 1:
+            profiler.reset()
+            for _ in _progress(range(steps - 1), steps - 1, "profiling"):
+                work.run()
+    measured = steps - 1 if steps > 1 else 1
+    kernels = None
+    if args.kernels and work.framework == "pytorch":
+        with amanda.apply(profiler), profiler.record_kernels():
+            work.run()
+        kernels = profiler.kernel_table(top=args.top)
+    print(f"{args.model}: {len(profiler.ops)} ops timed, {measured} step(s) measured, "
+          f"forward {profiler.total_us('forward') / 1e3:.1f} ms, "
+          f"backward {profiler.total_us('backward') / 1e3:.1f} ms\n")
+    print(profiler.table(by=args.by, top=args.top))
+    if kernels:
+        print("\nkernels per op (torch.profiler):\n" + kernels)
+    os.makedirs(args.out, exist_ok=True)
+    trace_path = os.path.join(args.out, "trace.json")
+    profiler.save_chrome_trace(trace_path)
+    summary = {"model": args.model, "steps_measured": measured,
+               "forward_us": profiler.total_us("forward"),
+               "backward_us": profiler.total_us("backward"),
+               "by_type": profiler.by_type(), "by_module": profiler.by_module(depth=3)}
+    profile_path = _write_json(args.out, "profile.json", _jsonable(summary))
+    written = [trace_path, profile_path]
+    if args.timeline:
+        written.append(profiler.plot_timeline(os.path.join(args.out, "timeline.png"),
+                                              title=args.model) or
+                       os.path.join(args.out, "timeline.png"))
+    print(f"\nChrome trace (open in https://ui.perfetto.dev): {trace_path}")
+    print("written: " + ", ".join(written[1:]))
+    return 0
+
+
+def add_trace_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--steps", type=int, default=3,
+                        help="training steps to run; the first (analysis) is not measured "
+                             "when there are more (default: 3)")
+    parser.add_argument("--by", choices=("type", "name", "module"), default="type",
+                        help="aggregate the table by canonical op type, op name or module "
+                             "path (default: type)")
+    parser.add_argument("--top", type=int, default=15, help="rows to show (default: 15)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="PyTorch: one more step under torch.profiler, with the aten ops "
+                             "(CUDA kernels on a GPU) each op ran")
+    parser.add_argument("--timeline", action="store_true", help="also draw OUT/timeline.png")
+    _add_out_argument(parser, "trace.json (Chrome trace) and profile.json")
+
+
+# -- flops ----------------------------------------------------------------------------------
+
+def _flops_chart(profiler, spec, path, top=10):
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
+    types = list(profiler.by_type())[:top]
+    figure, axes = plt.subplots(figsize=(7, 0.45 * len(types) + 1.2))
+    positions = range(len(types))
+    axes.barh(positions, [forward.get(t, 0) / 1e9 for t in types], label="forward")
+    axes.barh(positions, [backward.get(t, 0) / 1e9 for t in types],
+              left=[forward.get(t, 0) / 1e9 for t in types], label="backward")
+    axes.set_yticks(list(positions), types)
+    axes.invert_yaxis()
+    axes.set_xlabel("GFLOPs per step")
+    axes.set_title(f"FLOPs by op type: {spec}")
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def run_flops(args):
+    from amanda.tools.flops import FlopsProfiler
+    workloads = _Workloads(args.models)
+    results = []
+    for spec in _progress(args.models, len(args.models), "counting FLOPs"):
+        work = workloads(spec)
+        profiler = FlopsProfiler(backward=not args.forward_only)
+        with amanda.apply(profiler):
+            work.run()
+        forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
+        rows = [[t, f"{forward.get(t, 0):,}", f"{backward.get(t, 0):,}"]
+                for t in list(profiler.by_type())[:args.top]]
+        rows.append(["total", f"{profiler.total('forward'):,}", f"{profiler.total('backward'):,}"])
+        _print_table(["type", "forward FLOPs", "backward FLOPs"], rows, "<>>",
+                     title=f"{spec} ({work.framework})")
+        if profiler.unknown:
+            print("unknown op types (not counted): "
+                  + ", ".join(f"{t} x{n}" for t, n in sorted(profiler.unknown.items())))
+        modules = list(profiler.by_module("forward").items())[:5]
+        if modules:
+            print("largest modules (forward): "
+                  + ", ".join(f"{m or '-'} {f / 1e6:,.1f}M" for m, f in modules))
+        print()
+        result = {"model": spec, "framework": work.framework,
+                  "forward": profiler.total("forward"), "backward": profiler.total("backward"),
+                  "by_type": {t: {"forward": forward.get(t, 0), "backward": backward.get(t, 0)}
+                              for t in profiler.by_type()},
+                  "by_module": profiler.by_module(), "unknown": dict(profiler.unknown)}
+        if args.chart:
+            os.makedirs(args.out, exist_ok=True)
+            result["chart"] = _flops_chart(profiler, spec, os.path.join(
+                args.out, f"flops-{_safe_name(spec)}.png"))
+        results.append(result)
+    path = _write_json(args.out, "flops.json", _jsonable(results))
+    print(f"full report: {path}")
+    return 0
+
+
+def add_flops_arguments(parser):
+    parser.add_argument("models", nargs="+", metavar="MODEL", help=_model_help())
+    parser.add_argument("--forward-only", action="store_true",
+                        help="count forward ops only (the step still runs backward)")
+    parser.add_argument("--top", type=int, default=12, help="op types to show (default: 12)")
+    parser.add_argument("--chart", action="store_true",
+                        help="also draw OUT/flops-MODEL.png (FLOPs by op type)")
+    _add_out_argument(parser, "flops.json")
+
+
+# -- prune ----------------------------------------------------------------------------------
+
+def run_prune(args):
+    pruning = _require("amanda.tools.pruning", "prune", "the pruning tool")
+    work = _load(args.model, "prune", ("pytorch", "tensorflow"))
+    pruner = pruning.Pruner(args.pattern, sparsity=args.sparsity)
+    dense = work.forward()
+    with amanda.apply(pruner):
+        work.run()
+        pruned = work.forward()
+    print(pruner.table())
+    change = _relative_error(dense, pruned)
+    print(f"\noutput change (relative L2): {change:.4f}")
+    report = pruner.report()
+    path = _write_json(args.out, "pruning.json", _jsonable({
+        "model": args.model, "pattern": pruner.pattern_name, "sparsity": args.sparsity,
+        "output_relative_change": change, **report}))
+    print(f"full report: {path}")
+    return 0
+
+
+def add_prune_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--pattern", default="unstructured",
+                        help="unstructured (magnitude), channel (L1 of output channels) or "
+                             "N:M such as 2:4 (default: unstructured)")
+    parser.add_argument("--sparsity", type=float, default=0.5,
+                        help="fraction of weights (channels) to prune; N:M ignores it "
+                             "(default: 0.5)")
+    _add_out_argument(parser, "pruning.json")
+
+
+# -- quantize -------------------------------------------------------------------------------
+
+def _calibration_batches(work, count):
+    """The workload's inputs, then ``count - 1`` random variants of its
+    floating-point inputs (integer inputs such as token ids are reused)."""
+    import numpy as np
+    rng = np.random.RandomState(1)
+    batches = [work.inputs]
+    for _ in range(count - 1):
+        batch = []
+        for value in work.inputs:
+            if hasattr(value, "is_floating_point") and value.is_floating_point():
+                import torch
+                batch.append(torch.from_numpy(rng.rand(*value.shape).astype(np.float32))
+                             .to(value.dtype))
+            elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
+                batch.append(rng.rand(*value.shape).astype(value.dtype))
+            else:
+                batch.append(value)
+        batches.append(tuple(batch))
+    return batches
+
+
+def _qat_steps(work, tool, reference, steps, lr):
+    """Fine-tune the quantized PyTorch model towards the float model's
+    outputs (mean squared error): the loss QAT lowers."""
+    import torch
+    from amanda.models import first_tensor
+    parameters = [p for p in work.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    target = torch.as_tensor(reference)
+    losses = []
+    with amanda.apply(tool):
+        for _ in _progress(range(steps), steps, "QAT"):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(first_tensor(work.model(*work.inputs)), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _export_qdq(work, tool, path, eager):
+    """Export the quantized PyTorch model and check it under onnxruntime."""
+    import numpy as np
+    import onnxruntime
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    proto = amanda.export(work.model, work.inputs, tool, f=path)
+    types = [node.op_type for node in proto.graph.node]
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    feeds = {i.name: np.asarray(v.detach().cpu().numpy())
+             for i, v in zip(session.get_inputs(), work.inputs)}
+    output = session.run(None, feeds)[0]
+    return {"path": path, "quantize_linear": types.count("QuantizeLinear"),
+            "dequantize_linear": types.count("DequantizeLinear"),
+            "max_abs_diff_vs_eager": float(np.abs(np.asarray(output) - eager).max())}
+
+
+def run_quantize(args):
+    from amanda.tools.quantization import QuantizationTool, QuantScheme
+    if args.export and not hasattr(amanda, "export"):
+        raise MissingPiece("`amanda quantize --export` needs amanda.export (amanda/export.py), "
+                           "which is not installed in this tree")
+    work = _load(args.model, "quantize", ("pytorch", "tensorflow"))
+    if args.export and work.framework != "pytorch":
+        raise UsageError("--export writes ONNX from PyTorch models only")
+    if args.qat and work.framework != "pytorch":
+        raise UsageError("--qat trains PyTorch models only (TF graphs: calibrate and quantize)")
+    weight = None if args.weight_bits == 0 else QuantScheme(
+        args.weight_bits, symmetric=not args.asymmetric_weights, per_channel=not args.per_tensor)
+    activation = None if args.activation_bits == 0 else QuantScheme(
+        args.activation_bits, symmetric=args.symmetric_activations)
+    tool = QuantizationTool(weight=weight, activation=activation, observer=args.observer)
+    reference = work.forward()
+    batches = _calibration_batches(work, max(1, args.calibrate))
+    if activation is not None:
+        with amanda.apply(tool.calibration()):
+            for batch in _progress(batches, len(batches), "calibrating"):
+                work.forward(batch)
+    losses = _qat_steps(work, tool, reference, args.qat, args.lr) if args.qat else []
+    tool.freeze()
+    with amanda.apply(tool):
+        quantized = work.forward()
+    rows = []
+    for row in tool.report():
+        w, a = row.get("weight"), row.get("activation")
+        scale = (f"{min(w['scale']):.3g}..{max(w['scale']):.3g}"
+                 if w and isinstance(w["scale"], list) else (f"{w['scale']:.3g}" if w else "-"))
+        rows.append([row["module"] or row["op_id"], row["type"], scale,
+                     f"[{a['min']:.3g}, {a['max']:.3g}]" if a else "-"])
+    _print_table(["op", "type", "weight scale", "activation range"], rows, "<<><",
+                 title=f"{args.model}: weights {weight.describe() if weight else 'float'}, "
+                       f"activations {activation.describe() if activation else 'float'}")
+    error, sqnr = _relative_error(reference, quantized), _sqnr_db(reference, quantized)
+    print(f"\n{len(rows)} ops quantized; output vs float: relative error {error:.4f}, "
+          f"SQNR {sqnr:.1f} dB")
+    if losses:
+        print(f"QAT: {len(losses)} steps, distillation loss {losses[0]:.3g} -> {losses[-1]:.3g}")
+    result = {"model": args.model, "framework": work.framework,
+              "weight": weight.describe() if weight else None,
+              "activation": activation.describe() if activation else None,
+              "calibration_batches": len(batches) if activation else 0,
+              "relative_error": error, "sqnr_db": sqnr, "qat_losses": losses,
+              "ops": tool.report()}
+    if args.export:
+        result["export"] = _export_qdq(work, tool, args.export, quantized)
+        e = result["export"]
+        print(f"exported {e['path']}: {e['quantize_linear']} QuantizeLinear / "
+              f"{e['dequantize_linear']} DequantizeLinear; onnxruntime vs eager fake-quant: "
+              f"max |diff| {e['max_abs_diff_vs_eager']:.2g}")
+    path = _write_json(args.out, "quantization.json", _jsonable(result))
+    print(f"full report: {path}")
+    return 0
+
+
+def add_quantize_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--weight-bits", type=int, default=8, metavar="B",
+                        help="weight bits, 0 = leave weights in float (default: 8)")
+    parser.add_argument("--activation-bits", type=int, default=8, metavar="B",
+                        help="activation bits, 0 = leave activations in float (default: 8)")
+    parser.add_argument("--per-tensor", action="store_true",
+                        help="one weight scale per tensor (default: per output channel)")
+    parser.add_argument("--asymmetric-weights", action="store_true",
+                        help="unsigned weight grid with a zero point (default: symmetric)")
+    parser.add_argument("--symmetric-activations", action="store_true",
+                        help="signed activation grid, zero point 0 (default: asymmetric)")
+    parser.add_argument("--observer", choices=("minmax", "moving_average"), default="minmax",
+                        help="how activation ranges are observed (default: minmax)")
+    parser.add_argument("--calibrate", type=int, default=4, metavar="N",
+                        help="calibration batches: the model's inputs, then random variants "
+                             "(default: 4)")
+    parser.add_argument("--qat", type=int, default=0, metavar="STEPS",
+                        help="PyTorch: quantization-aware fine-tuning steps towards the float "
+                             "model's outputs before freezing (default: 0, post-training only)")
+    parser.add_argument("--lr", type=float, default=3e-5,
+                        help="QAT learning rate (Adam; default: 3e-5)")
+    parser.add_argument("--export", metavar="FILE.onnx",
+                        help="PyTorch: write the quantized model as ONNX with "
+                             "QuantizeLinear/DequantizeLinear pairs and check it in onnxruntime")
+    _add_out_argument(parser, "quantization.json")
+
+
+# -- nan-check ------------------------------------------------------------------------------
+
+class _PlantNaN(amanda.Tool):
+    """Turns one output of the ``index``-th execution... of the ``index``-th
+    op named ``op_name`` into NaN (forward), or one gradient its backward ops
+    produce (backward): a bug to find."""
+
+    def __init__(self, op_name, index=0, backward=False):
+        super().__init__()
+        self.op_name, self.index, self.backward = op_name, index, backward
+        self.seen = 0
+        self.planted_at = None
+        self.add_inst_for_op(self._forward)
+        if backward:
+            self.add_inst_for_op(self._backward, backward=True, require_outputs=True)
+
+    def _matches(self, context):
+        return context.get_op_name() == self.op_name or (
+            context.get_op() is not None and getattr(context.get_op(), "type", None) == self.op_name)
+
+    def _forward(self, context):
+        if not self._matches(context):
+            return
+        if self.seen == self.index:
+            self.planted_at = context.get_op_id()
+            if not self.backward:
+                context.insert_after_op(self._poison, outputs=[0])
+        self.seen += 1
+
+    def _backward(self, context):
+        if self.planted_at is not None and context.get_op_id() == self.planted_at:
+            context.insert_after_backward_op(self._poison_first)
+            self.planted_at = ("planted", self.planted_at)
+
+    @staticmethod
+    def _poison(value):
+        return value * float("nan")
+
+    @staticmethod
+    def _poison_first(*grads):
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                return [g * float("nan") if j == i else None for j, g in enumerate(grads)]
+        return None
+
+
+def run_nan_check(args):
+    from amanda.tools.debugging import NanDetector, OpStatistics
+    work = _load(args.model, "nan-check")
+    detector = NanDetector()
+    tools = []
+    plant = None
+    if args.plant or args.plant_backward:
+        name, _, index = (args.plant or args.plant_backward).partition(":")
+        plant = _PlantNaN(name, int(index or 0), backward=bool(args.plant_backward))
+        tools.append(plant)
+    stats = OpStatistics() if args.stats else None
+    tools += [detector] + ([stats] if stats else [])
+    with amanda.apply(*tools):
+        work.run()
+    report = detector.report
+    result = {"model": args.model, "ops_checked": detector.executions,
+              "planted": (args.plant or args.plant_backward), "found": report is not None,
+              "report": dataclasses.asdict(report) if report else None}
+    if report is None:
+        print(f"{args.model}: no NaN or Inf in {detector.executions} op executions "
+              "(forward and backward)")
+    else:
+        side = "backward" if report.backward else "forward"
+        print(f"{args.model}: first NaN/Inf in a {side} op\n")
+        rows = [["op", f"{report.op_name} (id {report.op_id})"],
+                ["module", report.module_path if report.module_path is not None else "-"],
+                ["backward op", report.backward_op_name or "-"],
+                ["output", f"#{report.output_index}: nan={report.output_stats['nan']} "
+                           f"inf={report.output_stats['inf']} of {report.output_stats['numel']}"]]
+        for i, s in enumerate(report.input_stats):
+            rows.append([f"input {i}", "-" if s is None else
+                         f"min={s['min']:.3g} max={s['max']:.3g} mean={s['mean']:.3g} "
+                         f"nan={s['nan']} inf={s['inf']}" if s["min"] is not None else
+                         f"nan={s['nan']} inf={s['inf']}"])
+        _print_table(["", ""], rows, "<<")
+    written = [_write_json(args.out, "nan.json", _jsonable(result))]
+    if stats:
+        written.append(_write_json(args.out, "stats.json", _jsonable(stats.report())))
+    print("\nwritten: " + ", ".join(written))
+    return 1 if report is not None else 0
+
+
+def add_nan_check_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--plant", metavar="OP[:N]",
+                        help="plant a NaN in the output of the N-th (from 0) forward op "
+                             "named OP (conv2d, linear, Conv2D...) to see the detector work")
+    parser.add_argument("--plant-backward", metavar="OP[:N]",
+                        help="plant it in a gradient computed by that op's backward ops")
+    parser.add_argument("--stats", action="store_true",
+                        help="also write per-op output statistics to OUT/stats.json")
+    _add_out_argument(parser, "nan.json")
+
+
+# -- diff -----------------------------------------------------------------------------------
+
+def run_diff(args):
+    diff = _require("amanda.tools.diff", "diff", "the numeric diff tool")
+    work = _load(args.model, "diff", ("pytorch",))
+    import io
+
+    import onnx
+    import torch
+    buffer = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(work.model, work.inputs, buffer, dynamo=False, opset_version=17)
+    exported = onnx.load_from_string(buffer.getvalue())
+    if args.perturb:
+        module = dict(work.model.named_modules()).get(args.perturb)
+        if module is None:
+            raise UsageError(f"--perturb: {args.model} has no module {args.perturb!r}")
+        with torch.no_grad():
+            for parameter in module.parameters(recurse=False):
+                parameter.add_(args.perturb_by)
+    report = diff.diff_torch_onnx(work.model, work.inputs, onnx_model=exported,
+                                  rtol=args.rtol, atol=args.atol)
+    print(f"{args.model}: PyTorch vs its ONNX export (rtol {args.rtol}, atol {args.atol})\n")
+    print(report.describe())
+    result = {"model": args.model, "perturbed": args.perturb,
+              "first": dataclasses.asdict(report.first) if report.first else None,
+              "compared": report.compared, "fused": report.fused,
+              "unmatched": report.unmatched, "output_error": report.output_error}
+    path = _write_json(args.out, "diff.json", _jsonable(result))
+    print(f"\nfull report: {path}")
+    return 1 if report.first else 0
+
+
+def add_diff_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance")
+    parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance")
+    parser.add_argument("--perturb", metavar="MODULE",
+                        help="after exporting, add --perturb-by to this module's parameters "
+                             "(e.g. conv_layer3) to plant a mismatch")
+    parser.add_argument("--perturb-by", type=float, default=1e-2, metavar="X")
+    _add_out_argument(parser, "diff.json")
+
+
+# -- graph ----------------------------------------------------------------------------------
+
+GRAPH_FORMATS = ("json", "dot", "png")
+
+
+def run_graph(args):
+    from amanda.tools.graph import GraphTracingTool
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = sorted(set(formats) - set(GRAPH_FORMATS))
+    if unknown:
+        raise UsageError(f"--formats: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(GRAPH_FORMATS)}")
+    work = _load(args.model, "graph")
+    tracer = GraphTracingTool()
+    with amanda.apply(tracer):
+        work.run()
+    graph = tracer.graph
+    if graph is None:
+        raise UsageError(f"no graph was traced for {args.model}")
+    ops = list(graph.ops)
+    counts = collections.Counter(op.type for op in ops)
+    _print_table(["op type", "ops"], [[t, n] for t, n in counts.most_common(args.top)], "<>",
+                 title=f"{args.model}: {len(ops)} ops, {len(graph.inputs)} inputs, "
+                       f"{len(graph.outputs)} outputs ({graph.namespace})")
+    os.makedirs(args.out, exist_ok=True)
+    written = []
+    if "json" in formats:
+        written.append(os.path.join(args.out, "graph.json"))
+        tracer.to_json(path=written[-1])
+    if "dot" in formats:
+        written.append(os.path.join(args.out, "graph.dot"))
+        tracer.to_dot(path=written[-1], forward_only=args.forward_only)
+    if "png" in formats:
+        written.append(os.path.join(args.out, "graph.png"))
+        tracer.render_png(written[-1], forward_only=args.forward_only, title=args.model)
+    print("\nwritten: " + ", ".join(written))
+    return 0
+
+
+def add_graph_arguments(parser):
+    _add_model_argument(parser)
+    parser.add_argument("--formats", default="json,dot,png",
+                        help="comma-separated: json (IR), dot (Graphviz), png (drawn with "
+                             "networkx/matplotlib) (default: json,dot,png)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="leave backward ops out of the DOT and PNG drawings")
+    parser.add_argument("--top", type=int, default=10, help="op types to list (default: 10)")
+    _add_out_argument(parser, "graph.json, graph.dot and graph.png")
+
+
 # -- models --------------------------------------------------------------------------------
+
+OTHER_SPECS = [
+    ("keras:cnn", "the tutorial CNN in Keras, tf.compat.v1 graph; input (1, 32, 32, 3)"),
+    ("keras:NAME[:SIZE]", "a tf.keras.applications model (keras:resnet50, keras:mobilenetv2:96), "
+                          "weights=None, input (1, SIZE, SIZE, 3), SIZE 224 by default"),
+    ("path/to/model.onnx", "an ONNX model, run with onnxruntime (random inputs)"),
+    ("path/to/file.py:factory", "factory() returns (model, inputs) for a PyTorch model"),
+]
+
 
 def run_models(args):
     from amanda import models
     rows = [[name, description] for name, description in models.available().items()]
+    rows += [list(entry) for entry in OTHER_SPECS]
     print(_table(["model", "description"], rows, "<<"))
     return 0
 
 
 COMMANDS = {c.name: c for c in [
+    Command("trace",
+            help="per-op wall time, forward and backward; Chrome trace for Perfetto",
+            description="""\
+Time every forward and backward op of a few training steps with the op
+profiler (amanda.tools.profiler): a table aggregated by op type, op name or
+module path, a Chrome trace (OUT/trace.json, opens in ui.perfetto.dev) and
+OUT/profile.json. The first step runs the analysis and is not measured when
+--steps > 1. --kernels (PyTorch) adds the aten ops / CUDA kernels of each op.""",
+            example="amanda trace bert --by module --kernels",
+            add_arguments=add_trace_arguments, run=run_trace),
+    Command("flops",
+            help="forward and backward FLOPs per op type and module",
+            description="""\
+Count the FLOPs of one training step with the FLOPs profiler
+(amanda.tools.flops): a multiply-add is 2 FLOPs; convolutions and matrix
+products also count their backward ops; op types without a formula are
+listed, never silently zero. Works on PyTorch and TF (keras:...) models.
+Writes OUT/flops.json (and OUT/flops-MODEL.png with --chart).""",
+            example="amanda flops resnet50 keras:resnet50 --chart",
+            add_arguments=add_flops_arguments, run=run_flops),
     Command("coverage",
             help="count instrumentation points: amanda vs PyTorch module hooks",
             description="""\
@@ -298,6 +941,55 @@ module. Prints a table (the paper's Fig. 9) and writes the full report
 (points by op name, the ops module hooks miss) to OUT/coverage.json.""",
             example="amanda coverage bert resnet50 --out results/",
             add_arguments=add_coverage_arguments, run=run_coverage),
+    Command("prune",
+            help="mask weights (magnitude, channel, N:M) and report the sparsity",
+            description="""\
+Prune the weights of every convolution and linear layer with the pruning tool
+(amanda.tools.pruning): forward weight masks and gradient masks, applied by
+amanda while one training step runs, without touching the model. Prints the
+sparsity per layer and how much the output changed; writes OUT/pruning.json.""",
+            example="amanda prune resnet50 --pattern 2:4",
+            add_arguments=add_prune_arguments, run=run_prune),
+    Command("quantize",
+            help="fake-quantize weights and activations; calibrate, QAT, QDQ ONNX export",
+            description="""\
+Quantize the weights and activations of every convolution and linear layer
+with the QAT tool (amanda.tools.quantization): calibrate activation ranges on
+a few batches (observe only), optionally fine-tune with quantization in the
+loop (--qat, straight-through gradients), then run the fake-quantized model
+and compare it with the float one (relative error, SQNR). --export writes an
+ONNX model with QuantizeLinear/DequantizeLinear pairs and checks it in
+onnxruntime. Writes OUT/quantization.json with every op's scales.""",
+            example="amanda quantize cnn --weight-bits 4 --qat 20 --export cnn-qdq.onnx",
+            add_arguments=add_quantize_arguments, run=run_quantize),
+    Command("nan-check",
+            help="name the first op (forward or backward) producing NaN/Inf",
+            description="""\
+Run one training step under the NaN/Inf detector (amanda.tools.debugging):
+it names the first op, forward or backward, whose outputs hold a NaN or an
+Inf, with its module path and its inputs' statistics. --plant puts a NaN
+into an op's output (--plant-backward into a gradient) to see it work.
+Exit status 1 when a NaN/Inf was found. Writes OUT/nan.json.""",
+            example="amanda nan-check cnn --plant conv2d:2",
+            add_arguments=add_nan_check_arguments, run=run_nan_check),
+    Command("diff",
+            help="PyTorch vs its ONNX export: the first module whose outputs diverge",
+            description="""\
+Export a PyTorch model to ONNX, run both, and match every module's output
+with the ONNX node of its scope (amanda.tools.diff); reports the first
+module whose output diverges beyond the tolerance. --perturb MODULE changes
+that module's parameters after the export to plant a mismatch. Exit status 1
+when a divergence was found. Writes OUT/diff.json.""",
+            example="amanda diff cnn --perturb conv_layer3",
+            add_arguments=add_diff_arguments, run=run_diff),
+    Command("graph",
+            help="trace one step into amanda's IR: JSON, Graphviz DOT and PNG",
+            description="""\
+Trace one training step (forward and backward ops) into an amanda IR graph
+with the graph tracing tool (amanda.tools.graph) and write it as IR JSON,
+Graphviz DOT and a PNG drawing. Lists the op types it holds.""",
+            example="amanda graph cnn --forward-only",
+            add_arguments=add_graph_arguments, run=run_graph),
     Command("demo",
             help="showcase: the tutorial's counting tool, then coverage vs module hooks",
             description="""\
@@ -312,8 +1004,8 @@ Writes OUT/demo.json. --models runs both parts on other models.""",
     Command("models",
             help="list the built-in models",
             description="""\
-List the built-in models every subcommand accepts. Subcommands also take
-path/to/file.py:factory, where factory() returns (model, inputs).""",
+List the built-in models every subcommand accepts, and the other kinds of
+model spec: keras:NAME[:SIZE], path/to/model.onnx, path/to/file.py:factory.""",
             example="amanda models",
             add_arguments=lambda parser: None, run=run_models),
 ]}
@@ -369,6 +1061,9 @@ def main(argv=None):
     except UsageError as exc:
         print(f"amanda {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except amanda.AmandaError as exc:
+        print(f"amanda {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -445,6 +445,7 @@ def _load_onnx(spec):
         raise ModelSpecError(f"{spec}: running ONNX models needs amanda's ONNX runtime "
                              f"({_ONNX_RUNTIME}), which is not installed in this tree yet")
     import onnx
+    import onnxruntime  # noqa: F401  (imported now so amanda.apply instruments its sessions)
     model = onnx.load(spec)
     # ONNX has no backward: a step is one inference
     return Workload(spec, model, (_onnx_feeds(model),), _onnx_forward, framework="onnx",

@@ -321,7 +321,7 @@ class QuantizationTool(amanda.Tool):
         op_types: canonical op types to quantize (:data:`QUANTIZED_TYPES`).
 
     Attributes:
-        frozen: after :meth:`freeze`, ranges no longer change.
+        frozen: after :meth:`freeze`, activation ranges no longer change.
         observers: op key -> activation observer.
         qparams: ``(op key, "weight" | "activation")`` -> :class:`QParams`.
         ops: op key -> ``dict(name, type, module)`` of every quantized op;
@@ -368,8 +368,9 @@ class QuantizationTool(amanda.Tool):
         return self._calibration
 
     def freeze(self):
-        """Stop updating ranges: scales and zero points keep their current
-        values (for evaluation and export after QAT)."""
+        """Stop observing activations: their scales and zero points keep
+        their current values (for evaluation and export after QAT). Weights
+        are always quantized from their current range."""
         self.frozen = True
 
     def new_observer(self):
@@ -417,6 +418,8 @@ class QuantizationTool(amanda.Tool):
         qparams = self.qparams[(key, "weight")] = QParams(self.weight, axis, _converter(context),
                                                           low, high)
         if _is_eager(context) and not self.frozen:
+            # recorded while training; frozen, the weight's range is measured
+            # here once (what an export, which needs portable routines only, does)
             context.insert_before_op(self.track_weight, inputs=[position], qparams=qparams)
         context.insert_before_op(fake_quantize, inputs=[position], **qparams.routine_kwargs())
 
@@ -441,9 +444,10 @@ class QuantizationTool(amanda.Tool):
 
     # -- instrumentation routines (observe only; eager backends) ---------------
     def track_weight(self, weight, qparams):
-        """Re-measure a weight's range before it is fake-quantized."""
-        if not self.frozen:
-            qparams.update(*tensor_range(weight, qparams.axis))
+        """Re-measure a weight's range before it is fake-quantized (also when
+        frozen: a weight is always quantized from its own range, as an export
+        or a graph rewrite of the same weights would)."""
+        qparams.update(*tensor_range(weight, qparams.axis))
 
     def track_activation(self, value, observer, qparams):
         """Fold an activation into its observer and refresh its scale."""
