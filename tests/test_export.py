@@ -225,6 +225,18 @@ def test_replaced_ops_are_exported():
     assert relative_difference(got, eager(model, (x,))) > 1e-2
 
 
+def test_tools_of_an_enclosing_apply_scope_are_exported_too():
+    model, x = small_cnn(), torch.rand(2, 3, 8, 8)
+    with amanda.apply(Relu6()):
+        proto = amanda.export(model, (x,), PruneAndScale())
+    assert "Relu" not in {n.op_type for n in proto.graph.node}
+    with torch.no_grad(), amanda.apply(Relu6()), amanda.apply(PruneAndScale()):
+        expected = flatten(model(x))
+    assert_matches(run_onnx(proto, x.numpy()), expected)
+    assert relative_difference(expected, eager(model, (x,), Relu6())) > 1e-2
+    assert backend_is_clean(model)
+
+
 class Observer(amanda.Tool):
     """An observe-only routine with a Python side effect: not portable."""
 
