@@ -241,3 +241,10 @@ def test_wrong_input_structure_is_reported(bert):
     model, ids, program = bert
     with pytest.raises(BackendError, match="structure the program was captured with"):
         program(ids, ids)
+
+
+def test_docs_page_examples_run():
+    from tests.markdown import run_examples
+
+    namespace = run_examples("docs/pytorch-graph.md")
+    assert namespace["graph_mode"].calls == 4

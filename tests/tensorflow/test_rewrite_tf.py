@@ -127,3 +127,12 @@ def test_new_ops_get_their_attrs_from_the_op_def():
     with tf.compat.v1.Session(graph=graph) as session:
         value = session.run(s.name + ":0")
     assert value.tolist() == [[5.0], [50.0]]
+
+
+def test_docs_page_examples_run():
+    """docs/tools/rewrite.md: IR, TensorFlow and PyTorch examples, with their printed output."""
+    pytest.importorskip("torch")
+    from tests.markdown import run_examples
+
+    namespace = run_examples("docs/tools/rewrite.md")
+    assert namespace["folded"].counts() == {"fold_batchnorm": 1}
