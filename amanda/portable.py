@@ -296,13 +296,26 @@ def _torch_fake_quant(x, scale, zero_point, qmin, qmax, axis):
     """torch's fused fake-quant, which the ONNX exporter writes as a
     QuantizeLinear/DequantizeLinear pair (used only while exporting)."""
     torch = _torch()
+
+    def as_torch(value, dtype, shape):
+        # torch values stay torch values: converting them to NumPy while
+        # tracing would bake them in with a TracerWarning
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            value = value.round() if dtype == torch.int32 else value
+            return value.to(dtype).reshape(shape)
+        array = np.asarray(_numpy(value))
+        array = np.round(array) if dtype == torch.int32 else array
+        return torch.as_tensor(array.astype(np.float32 if dtype == torch.float32 else np.int32)
+                               ).reshape(shape)
+
     if axis is None or np.ndim(_shape_probe(scale)) == 0:
-        scale_t = torch.as_tensor(np.asarray(_numpy(scale), dtype=np.float32).reshape(()))
-        zero_t = torch.as_tensor(np.asarray(_numpy(zero_point), dtype=np.int32).reshape(()))
-        return torch.fake_quantize_per_tensor_affine(x, scale_t, zero_t, qmin, qmax)
-    scale_t = torch.as_tensor(np.asarray(_numpy(scale), dtype=np.float32).reshape(-1))
-    zero_t = torch.as_tensor(np.asarray(_numpy(zero_point), dtype=np.int32).reshape(-1))
-    return torch.fake_quantize_per_channel_affine(x, scale_t, zero_t, axis % x.dim(), qmin, qmax)
+        return torch.fake_quantize_per_tensor_affine(
+            x, as_torch(scale, torch.float32, ()), as_torch(zero_point, torch.int32, ()),
+            qmin, qmax)
+    return torch.fake_quantize_per_channel_affine(
+        x, as_torch(scale, torch.float32, (-1,)), as_torch(zero_point, torch.int32, (-1,)),
+        axis % x.dim(), qmin, qmax)
 
 
 # ---------------------------------------------------------------------------
