@@ -136,7 +136,7 @@ def test_same_counting_tool_in_eager_and_graph_mode(resnet):
 
 
 def test_mapping_rules_and_contexts_on_captured_graphs(bert):
-    model, ids, program = bert
+    _, _, program = bert
     seen = {}
 
     class Types(amanda.Tool):
@@ -158,6 +158,16 @@ def test_mapping_rules_and_contexts_on_captured_graphs(bert):
     node = seen["weight"]  # an fx node, with its fake value
     assert list(node.meta["val"].shape) == list(linear.get_ir_op().inputs[1].attrs["shape"])
     assert not any(op.type == ROUTINE for op in instrumented.graph)  # nothing recorded
+
+
+def test_graph_tracing_tool_gets_the_captured_graph(resnet):
+    from amanda.tools.graph import GraphTracingTool
+
+    _, x, program = resnet
+    tracer = GraphTracingTool()
+    with amanda.apply(tracer):
+        program(x)
+    assert tracer.graph is program.graph
 
 
 def test_routines_replace_values_straight_through_or_differentiated():
@@ -238,7 +248,7 @@ def test_capture_errors_are_backend_errors():
 
 
 def test_wrong_input_structure_is_reported(bert):
-    model, ids, program = bert
+    _, ids, program = bert
     with pytest.raises(BackendError, match="structure the program was captured with"):
         program(ids, ids)
 

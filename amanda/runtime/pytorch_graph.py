@@ -47,7 +47,7 @@ from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime.routines import call_routine
 
-__all__ = ["CapturedProgram", "NAMESPACE", "capture", "lower_to_graph_module"]
+__all__ = ["NAMESPACE", "CapturedProgram", "capture", "lower_to_graph_module"]
 
 
 def capture(model, args, kwargs=None, strict=False):
@@ -109,6 +109,7 @@ class CapturedProgram:
         self.constants = constants
         self._fx_nodes = {n.name: n for n in fx_nodes or ()}
         self._modules = {}   # (structural hash, session token) -> GraphModule
+        self._hash = None    # (number of ops, structural hash of self.graph)
 
     @property
     def graph_module(self):
@@ -141,7 +142,8 @@ class CapturedProgram:
         from amanda.tool import current_session
 
         session = current_session()
-        if controls.state.disabled or session is None or not _has_forward_routines(session):
+        if controls.state.disabled or session is None or not (
+                _has_forward_routines(session) or session.requires_graph):
             session = None
         module = self._lowered(session)
         flat = self._flat_inputs(args, kwargs)
@@ -158,12 +160,29 @@ class CapturedProgram:
         saved, controls.state.disabled = controls.state.disabled, True
         try:
             plan = run_instrumentation_pass(self.graph, session, TorchGraphBackend(self._fx_nodes))
+            if session.requires_graph:  # graph tools get the whole graph, as on the other graph backends
+                session.graph_completed(self.graph)
         finally:
             controls.state.disabled = saved
         return lower_actions(self.graph, plan)
 
+    def structural_hash(self):
+        """The graph's structural hash, the cache key of lowered modules.
+
+        Computed once per graph size: ``rewrite``/``instrument`` return new
+        programs; after editing ``program.graph`` in place without changing its
+        number of ops, call `refresh`.
+        """
+        if self._hash is None or self._hash[0] != len(self.graph):
+            self._hash = (len(self.graph), self.graph.structural_hash())
+        return self._hash[1]
+
+    def refresh(self):
+        """Forget the cached hash (after editing ``program.graph`` in place)."""
+        self._hash = None
+
     def _lowered(self, session):
-        key = (self.graph.structural_hash(), session.token if session is not None else None)
+        key = (self.structural_hash(), session.token if session is not None else None)
         module = self._modules.get(key)
         if module is None:
             graph = self.graph if session is None else self._instrumented_graph(session)
