@@ -7,7 +7,9 @@ module the program's type comes from:
 * ``amanda.ir.Graph`` -> ``amanda.ir.Graph`` with one ``amanda.routine`` op per
   action (see :mod:`amanda.passes.lower_actions`);
 * ``tf.Graph`` / ``GraphDef`` -> ``GraphDef`` of an instrumented copy whose
-  routines are in-process callbacks.
+  routines are in-process callbacks;
+* ``onnx.ModelProto`` -> ``onnx.ModelProto`` (portable routines as ONNX
+  nodes, others as Python custom ops hosted by this process).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from amanda.tool import session_for
 _INSTRUMENTERS = {
     "amanda": ("amanda.instrumentation", "instrument_ir"),
     "tensorflow": ("amanda.runtime.tensorflow", "instrument_graph"),
+    "onnx": ("amanda.runtime.onnx", "instrument_model"),
 }
 
 

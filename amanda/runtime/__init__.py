@@ -15,6 +15,7 @@ import sys
 EAGER_DRIVERS = {
     "torch": "amanda.runtime.pytorch",
     "tensorflow": "amanda.runtime.tensorflow",
+    "onnxruntime": "amanda.runtime.onnx",
 }
 
 
@@ -31,6 +32,7 @@ def eager_drivers():
 VALUE_RUNTIMES = {
     "torch": "amanda.runtime.pytorch",
     "tensorflow": "amanda.runtime.tensorflow",
+    "onnx": "amanda.runtime.onnx",   # onnx.ValueInfoProto symbols of a model being instrumented
 }
 
 

@@ -1,0 +1,571 @@
+"""Lift ONNX models into the amanda IR.
+
+    from amanda.frontends.onnx import lift
+
+    ir = lift(model_proto)          # an onnx.ModelProto
+    ir = lift("model.onnx")         # a path (str or os.PathLike)
+    ir = lift(serialized_bytes)     # ModelProto.SerializeToString()
+
+The result is an :class:`amanda.ir.Graph` in namespace
+``"onnx/<default opset>/graph"`` (e.g. ``"onnx/13/graph"``) that
+:func:`amanda.runtime.onnx.lower` turns back into an equivalent model.
+
+* **Nodes** become IR ops in topological order: ``type`` is the node's
+  ``op_type``, the op's name is the node's name (``"<op_type>"`` numbered when
+  the node has none, so it is a stable id), and ``attrs`` holds the node's
+  attributes by name (ints, floats, ``str``, lists, `ProtoAttr` for tensors,
+  nested IR graphs for graph attributes) plus ``attrs["_onnx"]``: the node's
+  ``name``, ``domain``, the ONNX ``attribute_types`` and, for nodes with
+  subgraphs, ``num_inputs``/``captures`` (below).
+* **Graph inputs and initializers** are IR graph inputs, in that order:
+  the declared inputs first, then the initializers that are not also declared
+  inputs. An initializer's tensor carries ``attrs["initializer"]``: a
+  `ProtoAttr` holding the ``TensorProto``; a declared input carries
+  ``attrs["graph_input"] = True``. Keeping weights as inputs (rather than
+  constant ops) means a tool sees every op of the model and nothing else, and
+  a routine on a weight reads it like any other tensor.
+* **Tensors** carry ``dtype`` (``"float32"``...; None for non-tensor types),
+  ``shape`` (ints, None for unknown or symbolic dims; None for unknown rank)
+  and ``onnx_type`` (a `ProtoAttr` of the ``TypeProto``, for an exact round
+  trip) from the model's inputs, outputs and value infos; when some are
+  missing, ``onnx.shape_inference`` fills them in. Tensors declared in the
+  model's ``value_info`` get ``attrs["value_info"] = True``.
+* **Absent optional values** (the empty name ``""``) read one graph input
+  named ``"amanda.absent"`` with ``attrs["absent"] = True``; absent outputs get
+  ``attrs["absent"] = True``.
+* **Subgraphs** of ``If``/``Loop``/``Scan`` (any graph attribute) are nested
+  IR graphs: their declared inputs, their initializers, then one input per
+  value they read from an enclosing graph (``attrs["captured"]`` = its ONNX
+  name). The node lists those captured values after its own inputs, so
+  use-def in the enclosing graph sees them (``attrs["_onnx"]["num_inputs"]``
+  is the node's own input count, ``["captures"]`` the captured names).
+* **The model** is described in ``graph.attrs["_onnx"]``: ``ir_version``,
+  ``opset_import`` (``[[domain, version], ...]``), producer, doc strings,
+  metadata, model-local functions, and the graph's ``outputs`` (name and type
+  of each declared output). Model-local functions are kept (as `ProtoAttr`)
+  but not lifted: calls to them are ordinary ops.
+
+A malformed model raises :class:`amanda.errors.BackendError` naming the node:
+an input nothing produces, two producers of one name, an attribute of unknown
+type, a cycle, a file that is not an ONNX model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+
+from amanda.errors import BackendError
+from amanda.ir import Graph
+
+__all__ = ["ABSENT", "ProtoAttr", "default_namespace", "dtype_name", "lift", "load_model"]
+
+ABSENT = "amanda.absent"
+_FREE_VARIABLES = "_free_variables"
+
+
+def _onnx():
+    import onnx
+
+    return onnx
+
+
+class ProtoAttr:
+    """A protobuf message kept in IR attrs (a weight, a tensor attribute, a type).
+
+    Its ``repr`` is the message type and a digest of its bytes, so structural
+    hashes cover the content without printing it; JSON keeps only that repr.
+    Treat the message as read-only: IR copies share it.
+
+    Attributes:
+        message: the protobuf message.
+    """
+
+    __slots__ = ("message", "_digest")
+
+    def __init__(self, message):
+        self.message = message
+        self._digest = None
+
+    @property
+    def digest(self):
+        """SHA-256 of the serialized message (computed once)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.message.SerializeToString()).hexdigest()
+        return self._digest
+
+    def to_numpy(self):
+        """The value of a ``TensorProto`` as a NumPy array."""
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(self.message)
+
+    def __eq__(self, other):
+        return isinstance(other, ProtoAttr) and other.digest == self.digest
+
+    def __hash__(self):
+        return hash(self.digest)
+
+    def __repr__(self):
+        return f"onnx.{type(self.message).__name__}(sha256:{self.digest[:24]})"
+
+
+def default_namespace(model):
+    """``"onnx/<version of the default ONNX domain>/graph"`` for a ModelProto."""
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return f"onnx/{version if version is not None else 'unknown'}/graph"
+
+
+def dtype_name(elem_type):
+    """NumPy-style name of an ONNX ``TensorProto.DataType`` (``"float32"``)."""
+    onnx = _onnx()
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return None
+    if not _NAMES:
+        _NAMES.update(_names())
+    try:
+        return _NAMES[elem_type]
+    except KeyError:
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+
+
+def _names():
+    t = _onnx().TensorProto
+    return {t.FLOAT: "float32", t.DOUBLE: "float64", t.FLOAT16: "float16", t.BFLOAT16: "bfloat16",
+            t.INT8: "int8", t.INT16: "int16", t.INT32: "int32", t.INT64: "int64",
+            t.UINT8: "uint8", t.UINT16: "uint16", t.UINT32: "uint32", t.UINT64: "uint64",
+            t.BOOL: "bool", t.STRING: "string", t.COMPLEX64: "complex64",
+            t.COMPLEX128: "complex128"}
+
+
+_NAMES = {}
+
+
+def load_model(model):
+    """A ``ModelProto`` from a ModelProto, serialized bytes or a path.
+
+    Raises:
+        BackendError: the argument is none of these or is not a readable model.
+    """
+    onnx = _onnx()
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        try:
+            return onnx.ModelProto.FromString(bytes(model))
+        except Exception as exc:
+            raise BackendError(f"the bytes given are not a serialized ONNX model: {exc}") from None
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise BackendError(f"no ONNX model file at {path!r}")
+        try:
+            return onnx.load(path)
+        except Exception as exc:
+            raise BackendError(f"cannot read an ONNX model from {path!r}: "
+                               f"{type(exc).__name__}: {exc}") from None
+    raise BackendError(f"cannot lift a {type(model).__name__} as an ONNX model "
+                       "(give an onnx.ModelProto, its bytes or a file path)")
+
+
+def lift(model, namespace=None, nodes=None):
+    """Lift an ONNX model into an amanda IR graph.
+
+    Args:
+        model: an ``onnx.ModelProto``, its serialized bytes, or a path.
+        namespace: the ops' namespace (default: ``"onnx/<opset>/graph"``).
+        nodes: a dict to fill with IR op name -> ``onnx.NodeProto`` of the
+            model's top-level graph (the nodes of ``model`` itself).
+
+    Returns:
+        A verified :class:`amanda.ir.Graph` described in this module.
+
+    Raises:
+        BackendError: the model is malformed or unsupported; the message names
+            the node.
+    """
+    model = load_model(model)
+    if not model.HasField("graph"):
+        raise BackendError("the ONNX model has no graph")
+    namespace = default_namespace(model) if namespace is None else namespace
+    types = _value_types(model)
+    lifter = _Lifter(namespace, types, nodes)
+    graph = lifter.graph(model.graph, outer=None)
+    graph.attrs["_onnx"].update(_model_attrs(model))
+    try:
+        graph.verify()
+    except Exception as exc:   # a bug of the lifter, not of the model
+        raise BackendError(f"lifting the ONNX model produced an invalid IR graph: {exc}") from exc
+    return graph
+
+
+def _model_attrs(model):
+    return {
+        "ir_version": int(model.ir_version),
+        "opset_import": [[o.domain, int(o.version)] for o in model.opset_import],
+        "producer_name": model.producer_name,
+        "producer_version": model.producer_version,
+        "domain": model.domain,
+        "model_version": int(model.model_version),
+        "doc_string": model.doc_string,
+        "metadata_props": [[p.key, p.value] for p in model.metadata_props],
+        "functions": [ProtoAttr(f) for f in model.functions],
+        "training_info": [ProtoAttr(t) for t in model.training_info],
+    }
+
+
+def _value_types(model):
+    """ONNX name -> TypeProto for every typed value, running shape inference
+    when a node output has no declared type."""
+    onnx = _onnx()
+    declared = _collect_types(model.graph)
+    produced = set()
+    _collect_outputs(model.graph, produced)
+    if not produced <= set(declared):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, check_type=False,
+                                                         strict_mode=False, data_prop=False)
+            for name, value in _collect_types(inferred.graph).items():
+                declared.setdefault(name, value)
+        except Exception:   # an unknown op or a model too large: types stay unknown
+            pass
+    return declared
+
+
+def _collect_types(graph):
+    types = {}
+    for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if info.HasField("type"):
+            types.setdefault(info.name, info.type)
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for name, value in _collect_types(sub).items():
+                    types.setdefault(name, value)
+    return types
+
+
+def _collect_outputs(graph, names):
+    for node in graph.node:
+        names.update(o for o in node.output if o)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _collect_outputs(sub, names)
+
+
+def tensor_attrs(type_proto):
+    """``dtype``, ``shape`` and ``onnx_type`` attrs of a value of ONNX type ``type_proto``."""
+    if type_proto is None:
+        return {"dtype": None, "shape": None}
+    attrs = {"dtype": None, "shape": None, "onnx_type": ProtoAttr(type_proto)}
+    if type_proto.HasField("tensor_type"):
+        tensor = type_proto.tensor_type
+        attrs["dtype"] = dtype_name(tensor.elem_type)
+        if tensor.HasField("shape"):
+            attrs["shape"] = [d.dim_value if d.HasField("dim_value") else None
+                              for d in tensor.shape.dim]
+    return attrs
+
+
+def _initializer_attrs(tensor):
+    return {"dtype": dtype_name(tensor.data_type), "shape": [int(d) for d in tensor.dims],
+            "initializer": ProtoAttr(tensor)}
+
+
+def _node_label(node, index):
+    return f"node {node.name or '#' + str(index)!r} ({node.op_type})"
+
+
+def _subgraphs(node):
+    """(attribute name, GraphProto) for each graph in the node's attributes."""
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            yield attr.name, attr.g
+        for g in attr.graphs:
+            yield attr.name, g
+
+
+def _free_variables(graph):
+    """Names a GraphProto reads but does not define (values of enclosing graphs)."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    used = []
+    for node in graph.node:
+        used.extend(node.input)
+        for _, sub in _subgraphs(node):
+            used.extend(_free_variables(sub))
+        defined.update(node.output)
+    used.extend(o.name for o in graph.output)
+    seen, free = set(), []
+    for name in used:
+        if name and name not in defined and name not in seen:
+            seen.add(name)
+            free.append(name)
+    return free
+
+
+class _Lifter:
+    """Lifts a GraphProto (and its subgraphs, recursively) into IR graphs."""
+
+    def __init__(self, namespace, types, nodes):
+        self.namespace = namespace
+        self.types = types
+        self.nodes = nodes
+        self.declared = set()
+
+    def graph(self, proto, outer, label="graph"):
+        """An IR graph for ``proto``; ``outer`` maps enclosing names -> True
+        (None for the top-level graph)."""
+        graph = Graph(proto.name or label, namespace=self.namespace)
+        graph.attrs["_onnx"] = {"name": proto.name, "doc_string": proto.doc_string,
+                                "outputs": [[o.name, ProtoAttr(o.type) if o.HasField("type")
+                                             else None] for o in proto.output],
+                                "sparse_initializers": [ProtoAttr(s) for s in
+                                                        proto.sparse_initializer]}
+        self.declared.update(v.name for v in proto.value_info)
+        env = self._inputs(graph, proto)
+        scope = _Scope(graph, env, outer)
+        for index, node in self._ordered(proto, scope):
+            self._node(graph, node, index, scope)
+        outputs = []
+        for info in proto.output:
+            tensor = scope.lookup(info.name)
+            if tensor is None:
+                raise BackendError(f"graph {graph.name!r}: output {info.name!r} is produced by "
+                                   "no node, graph input or initializer")
+            outputs.append(tensor)
+        graph.set_outputs(outputs)
+        return graph
+
+    def _inputs(self, graph, proto):
+        env = {}
+        initializers = {}
+        for tensor in proto.initializer:
+            if tensor.name in initializers:
+                raise BackendError(f"graph {graph.name!r}: two initializers are named "
+                                   f"{tensor.name!r}")
+            initializers[tensor.name] = tensor
+        for info in proto.input:
+            if info.name in env:
+                raise BackendError(f"graph {graph.name!r}: two inputs are named {info.name!r}")
+            attrs = tensor_attrs(info.type if info.HasField("type") else None)
+            attrs["graph_input"] = True
+            if info.name in initializers:
+                attrs["initializer"] = ProtoAttr(initializers[info.name])
+            env[info.name] = self._add_input(graph, info.name, attrs)
+        for name, tensor in initializers.items():
+            if name not in env:
+                env[name] = self._add_input(graph, name, _initializer_attrs(tensor))
+        for sparse in proto.sparse_initializer:
+            name = sparse.values.name
+            if name not in env:
+                env[name] = self._add_input(graph, name, {
+                    "dtype": dtype_name(sparse.values.data_type),
+                    "shape": [int(d) for d in sparse.dims],
+                    "sparse_initializer": True})
+        return env
+
+    def _add_input(self, graph, name, attrs):
+        tensor = graph.add_input(name, **attrs)
+        if tensor.name != name:
+            raise BackendError(f"graph {graph.name!r}: the name {name!r} is used twice")
+        return tensor
+
+    def _ordered(self, proto, scope):
+        """Nodes in a stable topological order (the file's order when it is one).
+
+        Raises:
+            BackendError: an input no one produces, a name produced twice, or
+                a cycle; the message names the node.
+        """
+        producers = {}
+        for index, node in enumerate(proto.node):
+            for name in node.output:
+                if not name:
+                    continue
+                if name in producers or scope.defines(name):
+                    other = producers.get(name)
+                    what = (_node_label(proto.node[other], other) if other is not None
+                            else "a graph input or initializer")
+                    raise BackendError(f"{_node_label(node, index)} outputs {name!r}, which "
+                                       f"{what} already defines (ONNX names are assigned once)")
+                producers[name] = index
+        needs = []
+        for index, node in enumerate(proto.node):
+            free = []
+            for _, sub in _subgraphs(node):
+                free.extend(_free_variables(sub))
+            node_needs = set()
+            for name in list(node.input) + free:
+                if not name or scope.defines(name):
+                    continue
+                producer = producers.get(name)
+                if producer is None:
+                    raise BackendError(f"{_node_label(node, index)} reads {name!r}, which no "
+                                       "node, graph input or initializer produces")
+                if producer != index:
+                    node_needs.add(producer)
+                elif name in node.input:
+                    raise BackendError(f"{_node_label(node, index)} reads its own output "
+                                       f"{name!r}")
+            needs.append(node_needs)
+        return [(i, proto.node[i]) for i in _topological(needs, proto.node)]
+
+    def _node(self, graph, node, index, scope):
+        attrs, types, captures = {}, {}, []
+        for attr in node.attribute:
+            value = self._attribute(node, index, attr, scope, captures)
+            attrs[attr.name] = value
+            types[attr.name] = _ATTR_TYPE_NAMES[attr.type]
+        meta = {"name": node.name, "domain": node.domain, "attribute_types": types}
+        if node.doc_string:
+            meta["doc_string"] = node.doc_string
+        if node.overload:
+            meta["overload"] = node.overload
+        inputs = [scope.lookup(name) if name else scope.absent() for name in node.input]
+        if captures:
+            meta["num_inputs"] = len(node.input)
+            meta["captures"] = captures
+            inputs.extend(scope.lookup(name) for name in captures)
+        attrs["_onnx"] = meta
+        op = graph.create_op(node.op_type, inputs, num_outputs=len(node.output), attrs=attrs,
+                             name=node.name or node.op_type,
+                             output_names=[name or ABSENT for name in node.output])
+        for tensor, name in zip(op.outputs, node.output):
+            if not name:
+                tensor.attrs = {"absent": True, "dtype": None, "shape": None}
+                continue
+            if tensor.name != name:
+                raise BackendError(f"{_node_label(node, index)}: output name {name!r} clashes")
+            tensor.attrs = tensor_attrs(self.types.get(name))
+            if name in self.declared:
+                tensor.attrs["value_info"] = True
+            scope.env[name] = tensor
+        if self.nodes is not None and scope.outer is None:
+            self.nodes[op.name] = node
+
+    def _attribute(self, node, index, attr, scope, captures):
+        onnx = _onnx()
+        kinds = onnx.AttributeProto
+        if attr.ref_attr_name:
+            raise BackendError(f"{_node_label(node, index)}: attribute {attr.name!r} refers to "
+                               f"{attr.ref_attr_name!r}, which only functions may do")
+        kind = attr.type
+        if kind not in _ATTR_TYPE_NAMES or kind == kinds.UNDEFINED:
+            raise BackendError(f"{_node_label(node, index)}: attribute {attr.name!r} has unknown "
+                               f"type {kind}")
+        if kind == kinds.FLOAT:
+            return float(attr.f)
+        if kind == kinds.INT:
+            return int(attr.i)
+        if kind == kinds.STRING:
+            return _text(attr.s)
+        if kind == kinds.TENSOR:
+            return ProtoAttr(attr.t)
+        if kind == kinds.SPARSE_TENSOR:
+            return ProtoAttr(attr.sparse_tensor)
+        if kind == kinds.TYPE_PROTO:
+            return ProtoAttr(attr.tp)
+        if kind == kinds.GRAPH:
+            return self._subgraph(node, index, attr.name, attr.g, scope, captures)
+        if kind == kinds.FLOATS:
+            return [float(v) for v in attr.floats]
+        if kind == kinds.INTS:
+            return [int(v) for v in attr.ints]
+        if kind == kinds.STRINGS:
+            return [_text(v) for v in attr.strings]
+        if kind == kinds.TENSORS:
+            return [ProtoAttr(t) for t in attr.tensors]
+        if kind == kinds.SPARSE_TENSORS:
+            return [ProtoAttr(t) for t in attr.sparse_tensors]
+        if kind == kinds.TYPE_PROTOS:
+            return [ProtoAttr(t) for t in attr.type_protos]
+        return [self._subgraph(node, index, attr.name, g, scope, captures) for g in attr.graphs]
+
+    def _subgraph(self, node, index, name, proto, scope, captures):
+        try:
+            sub = self.graph(proto, outer=scope, label=f"{node.name or node.op_type}.{name}")
+        except BackendError as exc:
+            raise BackendError(f"in subgraph {name!r} of {_node_label(node, index)}: "
+                               f"{exc}") from None
+        for tensor in sub.inputs:
+            captured = tensor.attrs.get("captured")
+            if captured is not None and captured not in captures:
+                captures.append(captured)
+        return sub
+
+
+class _Scope:
+    """Names visible in one graph: its own values, then the enclosing graphs'."""
+
+    def __init__(self, graph, env, outer):
+        self.graph = graph
+        self.env = env
+        self.outer = outer
+        self._absent = None
+
+    def defines(self, name):
+        """Whether ``name`` is a graph input/initializer here or a value of an
+        enclosing graph (which this graph then captures)."""
+        return name in self.env or (self.outer is not None and self.outer.visible(name))
+
+    def visible(self, name):
+        return name in self.env or (self.outer is not None and self.outer.visible(name))
+
+    def lookup(self, name):
+        tensor = self.env.get(name)
+        if tensor is None and self.outer is not None and self.outer.visible(name):
+            attrs = dict(self.outer.find(name).attrs)
+            for key in ("graph_input", "initializer", "value_info", "sparse_initializer"):
+                attrs.pop(key, None)
+            attrs["captured"] = name
+            tensor = self.env[name] = self.graph.add_input(name, **attrs)
+        return tensor
+
+    def find(self, name):
+        tensor = self.env.get(name)
+        return tensor if tensor is not None else self.outer.find(name)
+
+    def absent(self):
+        if self._absent is None:
+            self._absent = self.graph.add_input(ABSENT, absent=True, dtype=None, shape=None)
+        return self._absent
+
+
+def _topological(needs, nodes):
+    """Kahn's algorithm, always taking the earliest ready node."""
+    users = [[] for _ in needs]
+    pending = [len(n) for n in needs]
+    for index, node_needs in enumerate(needs):
+        for producer in node_needs:
+            users[producer].append(index)
+    ready = [i for i, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for user in users[index]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) < len(needs):
+        stuck = min(set(range(len(needs))) - set(order))
+        raise BackendError(f"{_node_label(nodes[stuck], stuck)} is part of a cycle: its inputs "
+                           "depend on its own outputs")
+    return order
+
+
+def _text(data):
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return bytes(data)
+
+
+# AttributeProto.AttributeType value -> name (as in the ONNX enum)
+_ATTR_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "INT", 3: "STRING", 4: "TENSOR", 5: "GRAPH",
+                    6: "FLOATS", 7: "INTS", 8: "STRINGS", 9: "TENSORS", 10: "GRAPHS",
+                    11: "SPARSE_TENSOR", 12: "SPARSE_TENSORS", 13: "TYPE_PROTO",
+                    14: "TYPE_PROTOS"}

@@ -1,0 +1,1278 @@
+"""ONNX runtime: lower instrumented IR graphs to ``ModelProto`` and run them.
+
+Three ways in:
+
+* inside ``amanda.apply(...)``, an ``onnxruntime.InferenceSession`` created
+  from a model (path, bytes of a ModelProto) runs the instrumented model:
+  ``InferenceSession.__init__`` is patched while any thread is inside a scope
+  and restored exactly when the last one leaves;
+* ``amanda.instrument(model_proto, *tools)`` returns an instrumented copy
+  (the input is untouched); Python routines in it are hosted by this process
+  (run it with :func:`inference_session`);
+* :func:`export` returns an instrumented copy that runs anywhere: every
+  routine must lower natively, else the error names it.
+
+The model is lifted into the IR (:mod:`amanda.frontends.onnx`), the tools'
+analysis routines run over it (the shared instrumentation pass; contexts have
+namespace ``"onnx/<opset>/graph"``, ``get_op()`` is the ``onnx.NodeProto``,
+``get_inputs()``/``get_outputs()`` are ``onnx.ValueInfoProto`` symbols), the
+actions become ``amanda.routine`` IR ops (:mod:`amanda.passes.lower_actions`),
+and :func:`lower` writes the ModelProto:
+
+* a **portable** routine (``amanda.portable.is_portable``) is traced with
+  ``amanda.portable.trace`` and emitted as ONNX nodes and initializers
+  (``fake_quant`` over an 8-bit range becomes a QuantizeLinear /
+  DequantizeLinear pair);
+* any other routine becomes an ``ai.onnx.contrib`` custom op hosted by
+  ``onnxruntime-extensions`` (a Python op per dtype signature; the node's
+  ``key`` attribute selects the action). It receives NumPy arrays and the
+  action's keyword arguments.
+
+Instrumented models are cached per amanda session by the SHA-256 of the
+model's bytes. How it fits together and its limits: ``docs/onnx.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import threading
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from amanda import controls
+from amanda.errors import AmandaError, BackendError, ToolError, describe
+from amanda.frontends.onnx import ProtoAttr, lift, load_model
+from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
+from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.runtime.routines import call_routine
+
+__all__ = ["DRIVER", "evaluate", "example_feeds", "export", "inference_session",
+           "instrument_model", "lower", "session_options"]
+
+#: Highest IR version onnxruntime 1.31 reads (onnx writes 14 by default).
+MAX_IR_VERSION = 13
+#: Domain of the custom ops that host Python routines.
+CALLBACK_DOMAIN = "ai.onnx.contrib"
+
+_original_init = ort.InferenceSession.__init__
+_TENSOR = onnx.TensorProto
+
+
+class OnnxGraphBackend(GraphBackend):
+    """Contexts see the user's model: ``get_op()`` is its ``onnx.NodeProto``,
+    ``get_inputs()`` ``onnx.ValueInfoProto`` symbols (None for absent
+    optional values)."""
+
+    def __init__(self, ir_graph, nodes):
+        super().__init__(ir_graph.namespace)
+        self.nodes = nodes
+        self._symbols = {}
+
+    def raw_op(self, ir_op):
+        return self.nodes.get(ir_op.name)
+
+    def values(self, ir_tensors):
+        return [self._symbol(t) for t in ir_tensors]
+
+    def _symbol(self, tensor):
+        if tensor.attrs.get("absent"):
+            return None
+        symbol = self._symbols.get(tensor)
+        if symbol is None:
+            symbol = onnx.ValueInfoProto(name=tensor.name)
+            onnx_type = tensor.attrs.get("onnx_type")
+            if onnx_type is not None:
+                symbol.type.CopyFrom(onnx_type.message)
+            self._symbols[tensor] = symbol
+        return symbol
+
+
+# -- values for analysis routines -------------------------------------------------
+
+_analysis = threading.local()
+
+
+@contextlib.contextmanager
+def example_feeds(feeds):
+    """Inputs that `evaluate` may run the model on while tools analyse it.
+
+    Analysis happens when the session is created (or the model instrumented),
+    before any ``run``: values that depend on graph inputs need example feeds.
+
+    Args:
+        feeds: ``{graph input name: array}``.
+    """
+    saved, _analysis.feeds = getattr(_analysis, "feeds", None), dict(feeds)
+    try:
+        yield
+    finally:
+        _analysis.feeds = saved
+
+
+def evaluate(values):
+    """Values of tensors of the model being instrumented, as NumPy arrays.
+
+    Call it from an analysis routine: ``evaluate(context.get_inputs()[1])``.
+    Initializers are read directly; other tensors are computed by running
+    the part of the *original* model they depend on in onnxruntime, which
+    needs :func:`example_feeds` when they depend on graph inputs.
+
+    Args:
+        values: an ``onnx.ValueInfoProto`` from ``get_inputs()`` /
+            ``get_outputs()`` (or a tensor name), or a list of them.
+
+    Returns:
+        One array, or a list of arrays for a list.
+
+    Raises:
+        BackendError: called outside analysis, or the tensor needs graph
+            inputs that no :func:`example_feeds` gave.
+    """
+    probe = getattr(_analysis, "probe", None)
+    if probe is None:
+        raise BackendError("amanda.runtime.onnx.evaluate() works only while analysis routines "
+                           "run on an ONNX model")
+    single = not isinstance(values, (list, tuple))
+    names = [v if isinstance(v, str) else v.name for v in ([values] if single else values)]
+    result = probe.evaluate(names)
+    return result[0] if single else result
+
+
+class _Probe:
+    """`evaluate` for one model: initializers directly, other tensors by
+    running the nodes they depend on."""
+
+    def __init__(self, model, ir_graph, nodes):
+        self.model = model
+        self.graph = ir_graph
+        self.nodes = nodes
+        self.tensors = {t.name: t for t in ir_graph.inputs}
+        for op in ir_graph:
+            self.tensors.update((t.name, t) for t in op.outputs)
+
+    def evaluate(self, names):
+        values, pending = {}, []
+        for name in names:
+            tensor = self.tensors.get(name)
+            if tensor is None:
+                raise BackendError(f"evaluate: the model has no tensor named {name!r}")
+            initializer = tensor.attrs.get("initializer")
+            if initializer is not None:
+                values[name] = initializer.to_numpy()
+            else:
+                pending.append(name)
+        if pending:
+            values.update(zip(pending, self._run(pending)))
+        return [values[name] for name in names]
+
+    def _run(self, names):
+        ops, inputs = self._ancestors([self.tensors[n] for n in names])
+        feeds = getattr(_analysis, "feeds", None) or {}
+        needed = [t for t in inputs if t.attrs.get("initializer") is None]
+        missing = [t.name for t in needed if t.name not in feeds]
+        if missing:
+            raise BackendError(f"evaluate: {', '.join(map(repr, names))} depends on graph "
+                               f"input(s) {', '.join(map(repr, missing))}; give example inputs "
+                               "with amanda.runtime.onnx.example_feeds({...}) around the "
+                               "session creation or amanda.instrument call")
+        graph = helper.make_graph(
+            [self.nodes[op.name] for op in ops], "amanda_evaluate",
+            [_value_info(t.name, t) for t in needed], [onnx.ValueInfoProto(name=n) for n in names],
+            [_named_initializer(t) for t in inputs if t.attrs.get("initializer") is not None])
+        model = helper.make_model(graph, opset_imports=self.model.opset_import,
+                                  functions=self.model.functions)
+        model.ir_version = min(max(self.model.ir_version, 4), MAX_IR_VERSION)
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        return session.run(names, {t.name: feeds[t.name] for t in needed})
+
+    def _ancestors(self, tensors):
+        ops, inputs, seen = set(), set(), set()
+        stack = list(tensors)
+        while stack:
+            tensor = stack.pop()
+            if tensor in seen:
+                continue
+            seen.add(tensor)
+            producer = tensor.producer
+            if producer is None:
+                if not tensor.attrs.get("absent"):
+                    inputs.add(tensor)
+            elif producer not in ops:
+                ops.add(producer)
+                stack.extend(producer.inputs)
+        order = [op for op in self.graph.ops if op in ops]
+        return order, [t for t in self.graph.inputs if t in inputs]
+
+
+@contextlib.contextmanager
+def _probing(probe):
+    saved, _analysis.probe = getattr(_analysis, "probe", None), probe
+    try:
+        yield
+    finally:
+        _analysis.probe = saved
+
+
+# -- instrumenting a model -------------------------------------------------------------
+
+
+def _instrument(model, session, callbacks):
+    """(lowered ModelProto or None when nothing was recorded, uses callbacks?)."""
+    nodes = {}
+    ir_graph = lift(model, nodes=nodes)
+    state = controls.state
+    saved, state.disabled = state.disabled, True   # evaluate() runs onnxruntime sessions
+    try:
+        with _probing(_Probe(model, ir_graph, nodes)):
+            plan = run_instrumentation_pass(ir_graph, session,
+                                            OnnxGraphBackend(ir_graph, nodes))
+    finally:
+        state.disabled = saved
+    if session.requires_graph:
+        session.graph_completed(ir_graph)
+    if not plan:
+        return None, False
+    lowering = _Lowering(lower_actions(ir_graph, plan), callbacks)
+    return lowering.model(), lowering.uses_callbacks
+
+
+def instrument_model(model, session):
+    """``amanda.instrument`` for an ``onnx.ModelProto``: an instrumented copy.
+
+    Python routines become custom ops hosted by this process: run the result
+    with :func:`inference_session`. The input model is not modified.
+    """
+    model = load_model(model)
+    lowered, _ = _instrument(model, session, callbacks=True)
+    if lowered is None:
+        lowered = lower(lift(model))
+    return lowered
+
+
+def export(model, *tools, path=None):
+    """An instrumented copy of ``model`` that runs in any ONNX runtime.
+
+    Every routine must be portable (``amanda.portable.routine``) and
+    expressible in the model's opset; Python callbacks cannot travel with a
+    file.
+
+    Args:
+        model: an ``onnx.ModelProto``, its bytes or a path.
+        *tools: the tools to apply.
+        path: where to save the result too (optional).
+
+    Returns:
+        The instrumented ``onnx.ModelProto``.
+
+    Raises:
+        BackendError: a routine cannot be lowered natively; the message names
+            the routine, its tool and op, and why.
+    """
+    from amanda.tool import session_for
+    model = load_model(model)
+    session = session_for(tools)
+    state = controls.state
+    saved, state.disabled = state.disabled, True
+    try:
+        lowered, _ = _instrument(model, session, callbacks=False)
+    finally:
+        state.disabled = saved
+    if lowered is None:
+        lowered = lower(lift(model))
+    if path is not None:
+        onnx.save(lowered, os.fspath(path))
+    return lowered
+
+
+# -- lowering -------------------------------------------------------------------------
+
+
+def lower(ir_graph, callbacks=True):
+    """Write an IR graph (lifted from ONNX, possibly instrumented) as a ModelProto.
+
+    Args:
+        ir_graph: an :class:`amanda.ir.Graph` from :func:`amanda.frontends.onnx.lift`,
+            possibly with ``amanda.routine`` ops.
+        callbacks: host routines that do not lower natively as Python custom
+            ops (else they raise).
+
+    Returns:
+        An ``onnx.ModelProto`` with the original opsets, and IR version capped
+        at `MAX_IR_VERSION`.
+
+    Raises:
+        BackendError: an op cannot be written as ONNX, or a routine cannot be
+            lowered natively while ``callbacks`` is False.
+    """
+    return _Lowering(ir_graph, callbacks).model()
+
+
+class _NotNative(Exception):
+    """A portable routine uses something the model's opset cannot express."""
+
+
+class _Lowering:
+    """One IR graph (and its nested graphs) -> one ModelProto."""
+
+    def __init__(self, graph, callbacks):
+        self.top = graph
+        self.callbacks = callbacks
+        meta = graph.attrs.get("_onnx") or {}
+        self.meta = meta
+        self.opsets = [list(pair) for pair in meta.get("opset_import",
+                                                       [["", onnx.defs.onnx_opset_version()]])]
+        self.opset = next((v for d, v in self.opsets if d in ("", "ai.onnx")), 0)
+        self.ir_version = min(meta.get("ir_version", onnx.IR_VERSION), MAX_IR_VERSION)
+        self.uses_callbacks = False
+        self.names = {}
+        self.used = set()
+        _collect_names(graph, self.used)
+        self.types = {}
+        self.graph_proto = None   # the GraphProto being written
+        self.ops_by_name = {}
+
+    # -- names
+    def fresh(self, base):
+        base = base or "amanda"
+        name, k = base, 1
+        while name in self.used:
+            name, k = f"{base}_{k}", k + 1
+        self.used.add(name)
+        return name
+
+    def name(self, tensor):
+        name = self.names.get(tensor)
+        if name is None:
+            if tensor.attrs.get("absent"):
+                name = ""
+            elif tensor.producer is not None and tensor.producer.type == ROUTINE:
+                routine = tensor.producer
+                name = self.fresh(f"{routine.attrs['target']}/amanda.{routine.attrs['kind']}"
+                                  f".{tensor.index}")
+            else:
+                name = tensor.name
+            self.names[tensor] = name
+        return name
+
+    # -- types
+    def tensor_type(self, tensor):
+        """(dtype, shape) of a tensor, following routines back to what they replace."""
+        found = self.types.get(tensor)
+        if found is not None:
+            return found
+        attrs = tensor.attrs
+        producer = tensor.producer
+        if attrs.get("dtype") is None and producer is not None and producer.type == ROUTINE:
+            if producer.attrs["kind"].startswith("replace"):
+                target = self.ops_by_name[producer.attrs["target"]]
+                found = self.tensor_type(target.outputs[tensor.index])
+            else:
+                found = self.tensor_type(producer.inputs[tensor.index])
+        else:
+            found = (attrs.get("dtype"), attrs.get("shape"))
+        self.types[tensor] = found
+        return found
+
+    def onnx_type(self, tensor):
+        """The tensor's ``TypeProto`` or None."""
+        while True:
+            onnx_type = tensor.attrs.get("onnx_type")
+            if onnx_type is not None:
+                return onnx_type.message
+            producer = tensor.producer
+            if producer is None or producer.type != ROUTINE:
+                break
+            if producer.attrs["kind"].startswith("replace"):
+                tensor = self.ops_by_name[producer.attrs["target"]].outputs[tensor.index]
+            else:
+                tensor = producer.inputs[tensor.index]
+        dtype, shape = self.tensor_type(tensor)
+        if dtype is None:
+            return None
+        return helper.make_tensor_type_proto(_elem_type(dtype), shape)
+
+    # -- model and graphs
+    def model(self):
+        graph = self.graph(self.top)
+        meta = self.meta
+        if self.uses_callbacks and all(d != CALLBACK_DOMAIN for d, _ in self.opsets):
+            self.opsets.append([CALLBACK_DOMAIN, 1])
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets],
+            producer_name=meta.get("producer_name", "amanda"),
+            producer_version=meta.get("producer_version", ""),
+            domain=meta.get("domain", ""), model_version=meta.get("model_version", 0),
+            doc_string=meta.get("doc_string", ""),
+            functions=[f.message for f in meta.get("functions", ())])
+        model.ir_version = self.ir_version
+        for key, value in meta.get("metadata_props", ()):
+            model.metadata_props.add(key=key, value=value)
+        for info in meta.get("training_info", ()):
+            model.training_info.add().CopyFrom(info.message)
+        return model
+
+    def graph(self, ir_graph):
+        meta = ir_graph.attrs.get("_onnx") or {}
+        saved = self.graph_proto, self.ops_by_name
+        proto = self.graph_proto = onnx.GraphProto(name=meta.get("name", ir_graph.name),
+                                                   doc_string=meta.get("doc_string", ""))
+        self.ops_by_name = {op.name: op for op in ir_graph.ops}
+        try:
+            self._name_outputs(ir_graph, meta)
+            self._inputs(ir_graph, meta, proto)
+            for op in ir_graph:
+                if op.type == ROUTINE:
+                    self._routine(op)
+                else:
+                    self._node(op)
+            self._outputs(ir_graph, meta, proto)
+        finally:
+            self.graph_proto, self.ops_by_name = saved
+        return proto
+
+    def _name_outputs(self, ir_graph, meta):
+        """Graph outputs keep the model's names, also where a routine now
+        produces them (the original tensor is renamed instead)."""
+        declared = meta.get("outputs") or []
+        by_name = {}
+        for tensor in ir_graph.inputs:
+            by_name[tensor.name] = tensor
+        for op in ir_graph:
+            for tensor in op.outputs:
+                by_name[tensor.name] = tensor
+        for position, tensor in enumerate(ir_graph.outputs):
+            if position >= len(declared) or tensor in self.names:
+                continue
+            wanted = declared[position][0]
+            if tensor.name == wanted:
+                continue
+            holder = by_name.get(wanted)
+            if holder is not None and holder not in self.names:
+                self.names[holder] = self.fresh(f"{wanted}/amanda.original")
+            self.names[tensor] = wanted
+
+    def _inputs(self, ir_graph, meta, proto):
+        new_as_inputs = self.ir_version < 4
+        for tensor in ir_graph.inputs:
+            attrs = tensor.attrs
+            if attrs.get("absent") or attrs.get("captured") is not None \
+                    or attrs.get("sparse_initializer"):
+                continue
+            name = self.name(tensor)
+            initializer = attrs.get("initializer")
+            if initializer is not None:
+                copy = proto.initializer.add()
+                copy.CopyFrom(initializer.message)
+                copy.name = name
+            if attrs.get("graph_input") or initializer is None:
+                proto.input.append(self.value_info(tensor, name))
+        for sparse in meta.get("sparse_initializers", ()):
+            proto.sparse_initializer.add().CopyFrom(sparse.message)
+        self._new_initializers_as_inputs = new_as_inputs
+
+    def _outputs(self, ir_graph, meta, proto):
+        declared = meta.get("outputs") or []
+        for position, tensor in enumerate(ir_graph.outputs):
+            name = self.name(tensor)
+            info = onnx.ValueInfoProto(name=name)
+            type_attr = declared[position][1] if position < len(declared) else None
+            onnx_type = type_attr.message if type_attr is not None else self.onnx_type(tensor)
+            if onnx_type is not None:
+                info.type.CopyFrom(onnx_type)
+            proto.output.append(info)
+        for op in ir_graph:
+            for tensor in op.outputs:
+                if tensor.attrs.get("value_info") and tensor.attrs.get("onnx_type") is not None:
+                    proto.value_info.append(self.value_info(tensor, self.name(tensor)))
+
+    def value_info(self, tensor, name):
+        info = onnx.ValueInfoProto(name=name)
+        onnx_type = self.onnx_type(tensor)
+        if onnx_type is not None:
+            info.type.CopyFrom(onnx_type)
+        return info
+
+    def add_initializer(self, array, base):
+        name = self.fresh(base)
+        self.graph_proto.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        if self._new_initializers_as_inputs:
+            self.graph_proto.input.append(helper.make_tensor_value_info(
+                name, _elem_type(np.asarray(array).dtype.name), list(np.shape(array))))
+        return name
+
+    def add_node(self, op_type, inputs, outputs, name, domain="", **attrs):
+        node = helper.make_node(op_type, inputs, outputs, name=self.fresh(name), domain=domain,
+                                **attrs)
+        self.graph_proto.node.append(node)
+        return node
+
+    # -- ordinary ops
+    def _node(self, op):
+        if not op.namespace.startswith("onnx/"):
+            raise BackendError(f"op {op.name!r} ({op.type}) of namespace {op.namespace!r} cannot "
+                               "be written as ONNX")
+        meta = op.attrs.get("_onnx") or {}
+        count = meta.get("num_inputs", len(op.inputs))
+        node = self.graph_proto.node.add()
+        node.op_type = op.type
+        node.domain = meta.get("domain", "")
+        node.name = meta.get("name", op.name)
+        if meta.get("doc_string"):
+            node.doc_string = meta["doc_string"]
+        if meta.get("overload"):
+            node.overload = meta["overload"]
+        node.input.extend(self.name(t) for t in op.inputs[:count])
+        node.output.extend(self.name(t) for t in op.outputs)
+        captures = {c: self.name(t) for c, t in zip(meta.get("captures", ()), op.inputs[count:])}
+        types = meta.get("attribute_types", {})
+        for key, value in op.attrs.items():
+            if key != "_onnx":
+                node.attribute.append(self._attribute(op, key, value, types.get(key), captures))
+
+    def _attribute(self, op, key, value, type_name, captures):
+        kinds = onnx.AttributeProto
+        if type_name is None:
+            type_name = _infer_attribute_type(value)
+        if type_name is None:
+            return helper.make_attribute(key, value)
+        attr = onnx.AttributeProto(name=key, type=kinds.AttributeType.Value(type_name))
+        if type_name == "FLOAT":
+            attr.f = value
+        elif type_name == "INT":
+            attr.i = value
+        elif type_name == "STRING":
+            attr.s = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        elif type_name in ("TENSOR", "SPARSE_TENSOR", "TYPE_PROTO"):
+            field = {"TENSOR": "t", "SPARSE_TENSOR": "sparse_tensor", "TYPE_PROTO": "tp"}
+            getattr(attr, field[type_name]).CopyFrom(value.message)
+        elif type_name == "GRAPH":
+            attr.g.CopyFrom(self._subgraph(value, captures))
+        elif type_name == "FLOATS":
+            attr.floats.extend(value)
+        elif type_name == "INTS":
+            attr.ints.extend(value)
+        elif type_name == "STRINGS":
+            attr.strings.extend(v.encode("utf-8") if isinstance(v, str) else bytes(v)
+                                for v in value)
+        elif type_name in ("TENSORS", "SPARSE_TENSORS", "TYPE_PROTOS"):
+            field = {"TENSORS": "tensors", "SPARSE_TENSORS": "sparse_tensors",
+                     "TYPE_PROTOS": "type_protos"}
+            getattr(attr, field[type_name]).extend(v.message for v in value)
+        elif type_name == "GRAPHS":
+            attr.graphs.extend(self._subgraph(g, captures) for g in value)
+        else:
+            raise BackendError(f"op {op.name!r} ({op.type}): attribute {key!r} has type "
+                               f"{type_name}, which cannot be written")
+        return attr
+
+    def _subgraph(self, graph, captures):
+        for tensor in graph.inputs:
+            captured = tensor.attrs.get("captured")
+            if captured is not None:
+                self.names[tensor] = captures.get(captured, captured)
+        return self.graph(graph)
+
+    # -- routines
+    def _routine(self, op):
+        action = op.attrs["action"]
+        target = self.ops_by_name.get(op.attrs["target"])
+        where = (target.type if target is not None else None, op.attrs["target"],
+                 self.top.namespace)
+        if _is_portable(action.func):
+            try:
+                return self._portable(op, action, where)
+            except _NotNative as why:
+                if not self.callbacks:
+                    raise _error(action, where, f"cannot be lowered to ONNX natively: {why}; "
+                                 "an exported model cannot call back into Python") from None
+                warnings.warn(str(_error(action, where, f"runs as a Python callback: {why}")),
+                              stacklevel=2)
+        elif not self.callbacks:
+            raise _error(action, where, "is a Python routine and an exported ONNX model cannot "
+                         "call back into Python; mark it @amanda.portable.routine and write it "
+                         "with the portable vocabulary (docs/onnx.md)")
+        return self._callback(op, action, where)
+
+    def _portable(self, op, action, where):
+        from amanda import portable
+        specs = []
+        for tensor in op.inputs:
+            if tensor.attrs.get("absent"):
+                raise _NotNative("it selects an absent optional value")
+            dtype, shape = self.tensor_type(tensor)
+            if dtype is None:
+                raise _NotNative(f"the type of {self.name(tensor)!r} is unknown")
+            specs.append((dtype, shape))
+        try:
+            traced = portable.trace(action.func, specs, kwargs=action.kwargs,
+                                    name=describe(action.func))
+        except AmandaError as exc:
+            raise _error(action, where, str(exc)) from exc
+        outputs = list(traced.outputs)
+        expected = len(op.outputs)
+        if not outputs:   # observes only: nothing to compute in a graph
+            for tensor, source in zip(op.outputs, op.inputs):
+                self._alias(tensor, self.name(source))
+            return
+        if len(outputs) != expected:
+            raise _error(action, where, f"returned {len(outputs)} values for {expected} "
+                         "tensors")
+        _PortableEmitter(self, op, where).emit(traced)
+
+    def _alias(self, tensor, source_name):
+        """Make ``tensor`` stand for the value named ``source_name``."""
+        if tensor in self.names:   # named already (a graph output): copy the value
+            self.add_node("Identity", [source_name], [self.names[tensor]], "amanda.identity")
+        else:
+            self.names[tensor] = source_name
+
+    def _callback(self, op, action, where):
+        """Host a Python routine: ``AmandaPut`` nodes hand each tensor to
+        Python, ``AmandaCall`` runs the routine, ``AmandaGet`` nodes produce
+        its results. A token threads through them so they run in that order,
+        every run (custom Python ops are never constant-folded)."""
+        replacing = op.attrs["kind"].startswith("replace")
+        inputs = list(op.inputs)
+        in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
+        hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        if replacing:
+            target = self.ops_by_name[op.attrs["target"]]
+            out_types = [self.tensor_type(t)[0] for t in target.outputs]
+            if len(hosted) != len(inputs) or any(t not in _HOSTED_DTYPES for t in out_types):
+                raise _error(action, where, "replaces the op, but a Python routine can only be "
+                             f"hosted for tensors of {', '.join(sorted(_HOSTED_DTYPES))} "
+                             f"(inputs {in_types}, outputs {out_types})")
+            results = list(enumerate(out_types))
+        else:
+            results = [(i, in_types[i]) for i in hosted]
+            for i, tensor in enumerate(op.outputs):
+                if i not in hosted:
+                    self._alias(tensor, self.name(inputs[i]))
+        out_dtypes = [d for _, d in results]
+        key = _register_callback(_Callback(action, where, len(inputs), hosted, out_dtypes,
+                                           replacing))
+        _catalog()
+        base = f"amanda.routine/{where[1]}"
+        token = self._trigger()
+        for slot, i in enumerate(hosted):
+            token = self._host_node(f"AmandaPut_{in_types[i]}", [self.name(inputs[i]), token],
+                                    f"{base}/put", f"{key}:{slot}")
+        token = self._host_node("AmandaCall", [token], f"{base}/call", key)
+        for slot, (i, dtype) in enumerate(results):
+            self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
+                          f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
+        self.uses_callbacks = True
+
+    def _host_node(self, op_type, inputs, name, key):
+        token = self.fresh(f"{name}.token")
+        self.add_node(op_type, inputs, [token], name, domain=CALLBACK_DOMAIN, key=key)
+        return token
+
+    def _trigger(self):
+        """An int64 scalar initializer that starts every token chain."""
+        names = {t.name for t in self.graph_proto.initializer}
+        name = next((n for n in names if n.startswith("amanda.trigger")), None)
+        return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
+
+
+def _collect_names(graph, names):
+    from amanda.ir.attrs import iter_graphs
+    names.update(t.name for t in graph.inputs)
+    for op in graph.ops:
+        names.update(t.name for t in op.outputs)
+        meta = op.attrs.get("_onnx") or {}
+        if meta.get("name"):
+            names.add(meta["name"])
+        for key, value in op.attrs.items():
+            for _, sub in iter_graphs(value):
+                _collect_names(sub, names)
+
+
+def _infer_attribute_type(value):
+    from amanda.ir import Graph
+    if isinstance(value, Graph):
+        return "GRAPH"
+    if isinstance(value, ProtoAttr):
+        return {"TensorProto": "TENSOR", "SparseTensorProto": "SPARSE_TENSOR",
+                "TypeProto": "TYPE_PROTO"}.get(type(value.message).__name__)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], Graph):
+        return "GRAPHS"
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], ProtoAttr):
+        return "TENSORS"
+    return None
+
+
+def _elem_type(dtype):
+    return _ELEM_TYPES[dtype] if dtype in _ELEM_TYPES else helper.np_dtype_to_tensor_dtype(
+        np.dtype(dtype))
+
+
+_ELEM_TYPES = {"float32": _TENSOR.FLOAT, "float64": _TENSOR.DOUBLE, "float16": _TENSOR.FLOAT16,
+               "bfloat16": _TENSOR.BFLOAT16, "int8": _TENSOR.INT8, "int16": _TENSOR.INT16,
+               "int32": _TENSOR.INT32, "int64": _TENSOR.INT64, "uint8": _TENSOR.UINT8,
+               "uint16": _TENSOR.UINT16, "uint32": _TENSOR.UINT32, "uint64": _TENSOR.UINT64,
+               "bool": _TENSOR.BOOL, "string": _TENSOR.STRING}
+
+
+def _value_info(name, tensor):
+    info = onnx.ValueInfoProto(name=name)
+    onnx_type = tensor.attrs.get("onnx_type")
+    if onnx_type is not None:
+        info.type.CopyFrom(onnx_type.message)
+    elif tensor.attrs.get("dtype") is not None:
+        info.type.CopyFrom(helper.make_tensor_type_proto(_elem_type(tensor.attrs["dtype"]),
+                                                         tensor.attrs.get("shape")))
+    return info
+
+
+def _named_initializer(tensor):
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor.attrs["initializer"].message)
+    copy.name = tensor.name
+    return copy
+
+
+def _is_portable(func):
+    try:
+        from amanda import portable
+    except ImportError:
+        return False
+    return portable.is_portable(func)
+
+
+def _error(action, where, message):
+    op_type, op_id, namespace = where
+    return BackendError(str(ToolError(f"routine {describe(action.func)} ({action.kind}) "
+                                      f"{message}", tool=action.tool, routine=action.func,
+                                      op_name=op_type, op_id=op_id, namespace=namespace)))
+
+
+# -- portable routines as ONNX nodes ----------------------------------------------------
+
+
+class _PortableEmitter:
+    """Writes one traced portable routine (an ``amanda/portable`` IR graph)
+    as ONNX nodes and initializers of the graph being lowered."""
+
+    def __init__(self, lowering, routine_op, where):
+        self.lowering = lowering
+        self.routine = routine_op
+        self.where = where
+        self.opset = lowering.opset
+        self.base = f"{where[1]}/amanda.{routine_op.attrs['kind']}"
+        self.values = {}     # traced tensor -> ONNX name, or _Constant
+        self.constants = {}  # traced tensor -> ndarray
+
+    def emit(self, traced):
+        lowering, routine = self.lowering, self.routine
+        for tensor, source in zip(traced.inputs, routine.inputs):
+            self.values[tensor] = lowering.name(source)
+        final = {}
+        for position, tensor in enumerate(traced.outputs):
+            if tensor not in final and tensor.producer is not None \
+                    and tensor.producer.type != "constant":
+                final[tensor] = position
+        for op in traced.ops:
+            out = op.outputs[0]
+            if op.type == "constant":
+                self.constants[out] = np.asarray(op.attrs["value"])
+                continue
+            rule = _RULES.get(op.type)
+            if rule is None:
+                raise _NotNative(f"no ONNX lowering for portable op {op.type!r}")
+            target = (lowering.name(routine.outputs[final[out]]) if out in final
+                      else lowering.fresh(f"{self.base}/{op.type}"))
+            rule(self, op, target)
+            self.values[out] = target
+        for position, tensor in enumerate(traced.outputs):
+            if final.get(tensor) != position:
+                lowering._alias(routine.outputs[position], self.name(tensor))
+
+    # helpers for rules
+    def name(self, tensor):
+        """The ONNX name of a traced tensor (constants become initializers)."""
+        value = self.values.get(tensor)
+        if value is None:
+            value = self.values[tensor] = self.lowering.add_initializer(
+                self.constants[tensor], f"{self.base}/const")
+        return value
+
+    def const(self, array, dtype=None):
+        array = np.asarray(array) if dtype is None else np.asarray(array, dtype=dtype)
+        return self.lowering.add_initializer(array, f"{self.base}/const")
+
+    def node(self, op_type, inputs, output=None, **attrs):
+        output = output or self.lowering.fresh(f"{self.base}/{op_type}")
+        self.lowering.add_node(op_type, inputs, [output], f"{self.base}/{op_type}", **attrs)
+        return output
+
+    def need(self, version, what):
+        if self.opset < version:
+            raise _NotNative(f"{what} needs ONNX opset {version}, the model uses {self.opset}")
+
+
+def _simple(onnx_type, version=1):
+    def rule(emitter, op, target):
+        emitter.need(version, onnx_type)
+        emitter.node(onnx_type, [emitter.name(t) for t in op.inputs], target)
+    return rule
+
+
+def _negated(onnx_type, version=1):
+    def rule(emitter, op, target):
+        emitter.need(version, onnx_type)
+        inner = emitter.node(onnx_type, [emitter.name(t) for t in op.inputs])
+        emitter.node("Not", [inner], target)
+    return rule
+
+
+def _ordered(newer, fallback, version):
+    """LessOrEqual/GreaterOrEqual from opset 12, Not(Greater)/Not(Less) before."""
+    def rule(emitter, op, target):
+        inputs = [emitter.name(t) for t in op.inputs]
+        if emitter.opset >= version:
+            emitter.node(newer, inputs, target)
+        else:
+            emitter.node("Not", [emitter.node(fallback, inputs)], target)
+    return rule
+
+
+def _min_max_version(op):
+    return 8 if op.outputs[0].attrs.get("dtype") in ("float32", "float64", "float16") else 12
+
+
+def _clip(emitter, op, target):
+    emitter.need(_min_max_version(op), "Min/Max")
+    x, lo, hi = (emitter.name(t) for t in op.inputs)
+    emitter.node("Min", [emitter.node("Max", [x, lo]), hi], target)
+
+
+def _minmax(onnx_type):
+    def rule(emitter, op, target):
+        emitter.need(_min_max_version(op), onnx_type)
+        emitter.node(onnx_type, [emitter.name(t) for t in op.inputs], target)
+    return rule
+
+
+def _cast(emitter, op, target):
+    emitter.node("Cast", [emitter.name(op.inputs[0])], target, to=_elem_type(op.attrs["dtype"]))
+
+
+def _quant_params(emitter, op, dtype):
+    """Names of (scale, zero point) for Q/DQ: scale float32, zero point of
+    ``dtype``, both scalars (per tensor) or 1-D (per axis)."""
+    _, scale, zero = op.inputs
+    axis = op.attrs.get("axis")
+    if axis is not None:
+        emitter.need(13, "per-axis QuantizeLinear")
+    if scale in emitter.constants:
+        value = emitter.constants[scale].astype(np.float32)
+        scale_name = emitter.const(value.reshape(()) if axis is None else value.reshape(-1))
+    else:
+        if scale.attrs.get("dtype") != "float32":
+            raise _NotNative("QuantizeLinear needs a float32 scale")
+        scale_name = emitter.name(scale)
+    if zero in emitter.constants:
+        value = np.round(emitter.constants[zero]).astype(dtype)
+        zero_name = emitter.const(value.reshape(()) if axis is None else value.reshape(-1))
+    else:
+        zero_name = emitter.node("Cast", [emitter.name(zero)], to=_elem_type(dtype))
+    return scale_name, zero_name, ({} if axis is None else {"axis": axis})
+
+
+def _quantize(emitter, op, target):
+    emitter.need(10, "QuantizeLinear")
+    dtype = op.attrs["dtype"]
+    if dtype not in ("int8", "uint8"):
+        emitter.need(21, f"QuantizeLinear to {dtype}")
+    if op.inputs[0].attrs.get("dtype") != "float32":
+        raise _NotNative("QuantizeLinear here needs a float32 input")
+    scale, zero, axis = _quant_params(emitter, op, dtype)
+    emitter.node("QuantizeLinear", [emitter.name(op.inputs[0]), scale, zero], target, **axis)
+
+
+def _dequantize(emitter, op, target):
+    emitter.need(10, "DequantizeLinear")
+    dtype = op.inputs[0].attrs.get("dtype")
+    if dtype not in ("int8", "uint8", "int32"):
+        raise _NotNative(f"DequantizeLinear of {dtype}")
+    scale, zero, axis = _quant_params(emitter, op, dtype)
+    out_dtype = op.attrs.get("dtype", "float32")
+    if out_dtype == "float32":
+        emitter.node("DequantizeLinear", [emitter.name(op.inputs[0]), scale, zero], target, **axis)
+    else:
+        value = emitter.node("DequantizeLinear", [emitter.name(op.inputs[0]), scale, zero], **axis)
+        emitter.node("Cast", [value], target, to=_elem_type(out_dtype))
+
+
+_QDQ_RANGES = {(-128, 127): "int8", (0, 255): "uint8"}
+
+
+def _fake_quant(emitter, op, target):
+    qrange = (op.attrs["qmin"], op.attrs["qmax"])
+    dtype = _QDQ_RANGES.get(qrange)
+    axis = op.attrs.get("axis")
+    x = op.inputs[0]
+    if (dtype is not None and emitter.opset >= (13 if axis is not None else 10)
+            and x.attrs.get("dtype") == "float32"
+            and (op.inputs[1] in emitter.constants or op.inputs[1].attrs.get("dtype") == "float32")):
+        scale, zero, axis_attr = _quant_params(emitter, op, dtype)
+        q = emitter.node("QuantizeLinear", [emitter.name(x), scale, zero], **axis_attr)
+        emitter.node("DequantizeLinear", [q, scale, zero], target, **axis_attr)
+        return
+    _fake_quant_arithmetic(emitter, op, target)
+
+
+def _fake_quant_arithmetic(emitter, op, target):
+    """``(clip(round(x / scale) + zp, qmin, qmax) - zp) * scale`` in float ops."""
+    emitter.need(11, "Round")
+    x, scale, zero = op.inputs
+    dtype = x.attrs.get("dtype") or "float32"
+    axis = op.attrs.get("axis")
+    names = []
+    for tensor in (scale, zero):
+        if tensor in emitter.constants:
+            value = emitter.constants[tensor].astype(dtype)
+            if axis is not None and value.ndim:
+                value = value.reshape(_channel_shape(x, axis))
+            names.append(emitter.const(value))
+        elif axis is not None:
+            shape = emitter.const(np.array(_channel_shape(x, axis), np.int64))
+            names.append(emitter.node("Reshape", [emitter.name(tensor), shape]))
+        else:
+            names.append(emitter.name(tensor))
+    scale_name, zero_name = names
+    qmin = emitter.const(np.array(op.attrs["qmin"], dtype))
+    qmax = emitter.const(np.array(op.attrs["qmax"], dtype))
+    value = emitter.node("Round", [emitter.node("Div", [emitter.name(x), scale_name])])
+    value = emitter.node("Add", [value, zero_name])
+    value = emitter.node("Min", [emitter.node("Max", [value, qmin]), qmax])
+    emitter.node("Mul", [emitter.node("Sub", [value, zero_name]), scale_name], target)
+
+
+def _channel_shape(x, axis):
+    shape = x.attrs.get("shape")
+    if shape is None:
+        raise _NotNative("per-channel fake_quant needs the input's rank")
+    shape = [1] * len(shape)
+    shape[axis % len(shape)] = -1
+    return shape
+
+
+_RULES = {
+    "add": _simple("Add"), "sub": _simple("Sub"), "mul": _simple("Mul"), "div": _simple("Div"),
+    "pow": _simple("Pow"), "neg": _simple("Neg"), "abs": _simple("Abs"),
+    "lt": _simple("Less"), "gt": _simple("Greater"), "eq": _simple("Equal"),
+    "le": _ordered("LessOrEqual", "Greater", 12), "ge": _ordered("GreaterOrEqual", "Less", 12),
+    "ne": _negated("Equal"), "and": _simple("And"), "or": _simple("Or"), "not": _simple("Not"),
+    "where": _simple("Where", 9), "clip": _clip, "minimum": _minmax("Min"),
+    "maximum": _minmax("Max"), "cast": _cast, "round": _simple("Round", 11),
+    "floor": _simple("Floor"), "ceil": _simple("Ceil"), "sqrt": _simple("Sqrt"),
+    "exp": _simple("Exp"), "log": _simple("Log"), "sign": _simple("Sign", 9),
+    "identity": _simple("Identity"), "quantize": _quantize, "dequantize": _dequantize,
+    "fake_quant": _fake_quant,
+}
+
+
+# -- Python routines hosted by onnxruntime-extensions -------------------------------------
+#
+# onnxruntime-extensions keeps its Python op definitions in a table that
+# sessions point into; adding definitions after a session registered the
+# library can leave those pointers dangling (the process crashes). So amanda
+# registers one fixed catalog, once, before its first use: per dtype an
+# ``AmandaPut_<dtype>`` (tensor, token -> token) and an ``AmandaGet_<dtype>``
+# (token -> tensor), and one ``AmandaCall`` (token -> token). Its own
+# invocation hook hands arrays back without the extensions' list conversion
+# (that costs ~0.4 s per million elements); other ops keep the default hook.
+
+
+def _hosted_dtypes():
+    from onnxruntime_extensions import PyCustomOpDef as P
+    # float16 and bfloat16 are not supported by the extensions' Python ops
+    return {"float32": P.dt_float, "float64": P.dt_double, "int8": P.dt_int8,
+            "int16": P.dt_int16, "int32": P.dt_int32, "int64": P.dt_int64, "uint8": P.dt_uint8,
+            "uint16": P.dt_uint16, "uint32": P.dt_uint32, "uint64": P.dt_uint64,
+            "bool": P.dt_bool}
+
+
+_HOSTED_DTYPES = _hosted_dtypes()
+_CATALOG = {}          # op id (of the extensions) -> our op type
+_CALLBACKS = {}        # key attribute -> _Callback
+_STASH = {}            # key -> {slot: array} handed over by AmandaPut nodes this run
+_RESULTS = {}          # key -> list of arrays for AmandaGet nodes
+_KEYS = itertools.count(1)
+_LOCK = threading.Lock()
+_failures = []         # routine errors raised inside onnxruntime, to re-raise after run
+_TOKEN = np.zeros((), np.int64)
+
+
+def _put(value, token, key):
+    name, _, slot = key.rpartition(":")
+    _STASH.setdefault(name, {})[int(slot)] = value
+    return _TOKEN
+
+
+def _call(token, key):
+    arrays = _STASH.pop(key, {})
+    callback = _CALLBACKS[key]
+    _RESULTS[key] = callback([arrays[i] for i in range(len(arrays))])
+    return _TOKEN
+
+
+def _get(token, key):
+    name, _, slot = key.rpartition(":")
+    return _RESULTS[name][int(slot)]
+
+
+def _catalog():
+    """Register the host ops (once per process)."""
+    with _LOCK:
+        if _CATALOG:
+            return
+        from onnxruntime_extensions import PyCustomOpDef, onnx_op
+        key = {"key": PyCustomOpDef.dt_string}
+        token = PyCustomOpDef.dt_int64
+        defs = [onnx_op(op_type="AmandaCall", inputs=[token], outputs=[token], attrs=key)(_call)]
+        for dtype, code in _HOSTED_DTYPES.items():
+            defs.append(onnx_op(op_type=f"AmandaPut_{dtype}", inputs=[code, token],
+                                outputs=[token], attrs=key)(_put))
+            defs.append(onnx_op(op_type=f"AmandaGet_{dtype}", inputs=[token], outputs=[code],
+                                attrs=key)(_get))
+        for opdef in defs:
+            _CATALOG[opdef._id] = opdef
+        _install_hook()
+
+
+def _install_hook():
+    try:
+        from onnxruntime_extensions import PyCustomOpDef
+        from onnxruntime_extensions._ocos import _on_pyop_invocation
+    except ImportError:   # a layout we do not know: keep the default hook
+        return
+
+    def invoke(op_id, feed, attributes):
+        opdef = _CATALOG.get(op_id)
+        if opdef is None:
+            return _on_pyop_invocation(op_id, feed, attributes)
+        result = np.require(opdef.body(*feed, **attributes), requirements="C")
+        return op_id, result.shape, result.reshape(-1)
+
+    PyCustomOpDef.install_hooker(invoke)
+
+
+def _register_callback(callback):
+    key = f"amanda.{next(_KEYS)}"
+    _CALLBACKS[key] = callback
+    return key
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+class _Callback:
+    """Calls one action's routine from inside onnxruntime.
+
+    An exception must not cross into onnxruntime (the extensions' host
+    aborts the process): it is kept, the inputs are passed on, and the run
+    that called it raises it (see `inference_session`).
+    """
+
+    def __init__(self, action, where, count, hosted, out_dtypes, replacing):
+        self.action = action
+        self.where = where
+        self.count = count
+        self.hosted = hosted
+        self.out_dtypes = [np.dtype(d) for d in out_dtypes]
+        self.replacing = replacing
+
+    def __call__(self, arrays):
+        try:
+            return self._run(arrays)
+        except BaseException as exc:   # noqa: BLE001 - must not reach onnxruntime
+            error = exc if isinstance(exc, AmandaError) else _error(
+                self.action, self.where, f"failed: {type(exc).__name__}: {exc}")
+            with _LOCK:
+                _failures.append(error)
+            if self.replacing:
+                return [np.zeros((), d) for d in self.out_dtypes]
+            return list(arrays)
+
+    def _run(self, arrays):
+        if self.replacing:
+            values = list(arrays)
+        else:
+            values = [None] * self.count
+            for i, array in zip(self.hosted, arrays):
+                values[i] = array
+        result = call_routine(self.action, values, _is_array, self.where)
+        if self.replacing:
+            if result is None or any(r is None for r in result) or \
+                    len(result) != len(self.out_dtypes):
+                raise _error(self.action, self.where, f"must return {len(self.out_dtypes)} "
+                             "arrays as it replaces the op")
+            return [np.asarray(r, dtype=d) for r, d in zip(result, self.out_dtypes)]
+        if result is None:
+            return list(arrays)
+        return [array if result[i] is None else np.asarray(result[i], dtype=d)
+                for i, array, d in zip(self.hosted, arrays, self.out_dtypes)]
+
+
+def _take_failure():
+    with _LOCK:
+        if not _failures:
+            return None
+        first = _failures[0]
+        _failures.clear()
+        return first
+
+
+def _checked_run(run):
+    """``run`` re-raising the first error a hosted routine met during it."""
+    def checked(*args, **kwargs):
+        _take_failure()
+        try:
+            result = run(*args, **kwargs)
+        except Exception as exc:
+            failure = _take_failure()
+            if failure is not None:
+                raise failure from exc
+            raise
+        failure = _take_failure()
+        if failure is not None:
+            raise failure
+        return result
+    checked.__wrapped__ = run
+    return checked
+
+
+# Options the extensions' library was registered into; kept alive (sessions
+# made with them point into the library's state), registered once each.
+_registered_options = []
+_default_options = []
+
+
+def session_options(options=None):
+    """``SessionOptions`` able to run models with hosted Python routines.
+
+    Args:
+        options: options to extend (the extensions' op library is registered
+            into them once, and amanda keeps a reference to them), or None for
+            amanda's shared default options.
+    """
+    from onnxruntime_extensions import get_library_path
+    _catalog()   # before any registration: the op table must not grow afterwards
+    with _LOCK:
+        if options is None:
+            if not _default_options:
+                _default_options.append(ort.SessionOptions())
+            options = _default_options[0]
+        if not any(o is options for o in _registered_options):
+            options.register_custom_ops_library(get_library_path())
+            _registered_options.append(options)
+    return options
+
+
+def inference_session(model, sess_options=None, providers=None, **kwargs):
+    """An ``onnxruntime.InferenceSession`` for a model from `amanda.instrument`.
+
+    Registers the host of Python routines and makes ``run`` raise the
+    amanda error a routine met (instead of onnxruntime's).
+
+    Args:
+        model: an ``onnx.ModelProto``, its bytes or a path.
+        sess_options, providers, **kwargs: as for ``InferenceSession``.
+    """
+    data = load_model(model).SerializeToString()
+    session = ort.InferenceSession.__new__(ort.InferenceSession)
+    _original_init(session, data, session_options(sess_options),
+                   providers or ["CPUExecutionProvider"], **kwargs)
+    session.run = _checked_run(session.run)
+    return session
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def _model_bytes(source):
+    """(bytes, ModelProto or None) of what ``InferenceSession`` was given."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), None
+    if isinstance(source, (str, os.PathLike)):
+        model = load_model(source)   # with external data, if any
+        return model.SerializeToString(), model
+    raise BackendError(f"amanda cannot instrument an InferenceSession created from a "
+                       f"{type(source).__name__}")
+
+
+def _instrumented(session, source):
+    """(model bytes to run, whether they host Python routines), cached per
+    amanda session by the SHA-256 of the model."""
+    data, model = _model_bytes(source)
+    key = hashlib.sha256(data).hexdigest()
+    cache = session.caches.setdefault("onnx", {})
+    hit = cache.get(key) if controls.state.cache else None
+    if hit is not None:
+        return hit
+    if model is None:
+        model = load_model(data)
+    lowered, callbacks = _instrument(model, session, callbacks=True)
+    hit = (data, False) if lowered is None else (lowered.SerializeToString(), callbacks)
+    cache[key] = hit
+    return hit
+
+
+def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
+                  provider_options=None, **kwargs):
+    sessions = controls.state.sessions
+    if not sessions or controls.state.disabled:
+        return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
+                              **kwargs)
+    data, callbacks = _instrumented(sessions[-1], path_or_bytes)
+    if callbacks:
+        sess_options = session_options(sess_options)
+    _original_init(self, data, sess_options, providers, provider_options, **kwargs)
+    if callbacks:
+        self.run = _checked_run(self.run)
+
+
+_patched_init.__wrapped__ = _original_init
+
+
+class OnnxRuntimeDriver:
+    """Patches ``InferenceSession.__init__`` while any thread is inside
+    ``apply``; the last thread out restores it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._depth = threading.local()
+
+    def enter(self, session):
+        depth = getattr(self._depth, "value", 0)
+        self._depth.value = depth + 1
+        if depth == 0:
+            with self._lock:
+                self._users += 1
+                if self._users == 1:
+                    ort.InferenceSession.__init__ = _patched_init
+
+    def exit(self, session, restored):
+        self._depth.value -= 1
+        if self._depth.value:
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                ort.InferenceSession.__init__ = _original_init
+
+
+DRIVER = OnnxRuntimeDriver()
