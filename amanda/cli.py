@@ -395,18 +395,19 @@ def run_trace(args):
     work = _load(args.model, "trace")
     profiler = profiler_module.OpProfiler()
     steps = max(1, args.steps)
+    kernels = args.kernels and work.framework == "pytorch"
     with amanda.apply(profiler):
         work.run()                    # first step: analysis runs, not representative
         if steps > 1:
             profiler.reset()
-            for _ in _progress(range(steps - 1), steps - 1, "profiling"):
-                work.run()
+            for step in _progress(range(steps - 1), steps - 1, "profiling"):
+                if kernels and step == steps - 2:   # the last step, under torch.profiler
+                    with profiler.record_kernels():
+                        work.run()
+                else:
+                    work.run()
     measured = steps - 1 if steps > 1 else 1
-    kernels = None
-    if args.kernels and work.framework == "pytorch":
-        with amanda.apply(profiler), profiler.record_kernels():
-            work.run()
-        kernels = profiler.kernel_table(top=args.top)
+    kernels = profiler.kernel_table(top=args.top) if kernels and steps > 1 else None
     print(f"{args.model}: {len(profiler.ops)} ops timed, {measured} step(s) measured, "
           f"forward {profiler.total_us('forward') / 1e3:.1f} ms, "
           f"backward {profiler.total_us('backward') / 1e3:.1f} ms\n")
@@ -419,7 +420,8 @@ def run_trace(args):
     summary = {"model": args.model, "steps_measured": measured,
                "forward_us": profiler.total_us("forward"),
                "backward_us": profiler.total_us("backward"),
-               "by_type": profiler.by_type(), "by_module": profiler.by_module(depth=3)}
+               "by_type": profiler.by_type(), "forward_by_type": profiler.by_type("forward"),
+               "by_module": profiler.by_module(depth=3)}
     profile_path = _write_json(args.out, "profile.json", _jsonable(summary))
     written = [trace_path, profile_path]
     if args.timeline:
@@ -441,8 +443,8 @@ def add_trace_arguments(parser):
                              "path (default: type)")
     parser.add_argument("--top", type=int, default=15, help="rows to show (default: 15)")
     parser.add_argument("--kernels", action="store_true",
-                        help="PyTorch: one more step under torch.profiler, with the aten ops "
-                             "(CUDA kernels on a GPU) each op ran")
+                        help="PyTorch: run the last step under torch.profiler and list the "
+                             "aten ops (CUDA kernels on a GPU) each op ran")
     parser.add_argument("--timeline", action="store_true", help="also draw OUT/timeline.png")
     _add_out_argument(parser, "trace.json (Chrome trace) and profile.json")
 
@@ -700,18 +702,21 @@ def add_quantize_arguments(parser):
 # -- nan-check ------------------------------------------------------------------------------
 
 class _PlantNaN(amanda.Tool):
-    """Turns one output of the ``index``-th execution... of the ``index``-th
-    op named ``op_name`` into NaN (forward), or one gradient its backward ops
-    produce (backward): a bug to find."""
+    """Turns the first output of the ``index``-th op named ``op_name`` (its
+    name or TF type) into NaN, or with ``backward`` the first gradient one of
+    its backward ops produces: a bug for the detector to find."""
 
     def __init__(self, op_name, index=0, backward=False):
         super().__init__()
         self.op_name, self.index, self.backward = op_name, index, backward
         self.seen = 0
-        self.planted_at = None
+        self.planted_at = None    # the forward op's id
+        self.planted_in = None    # the backward op's name
         self.add_inst_for_op(self._forward)
         if backward:
-            self.add_inst_for_op(self._backward, backward=True, require_outputs=True)
+            # before the op (not require_outputs), so its after-routine is recorded
+            # ahead of the detector's and the detector sees the planted NaN
+            self.add_inst_for_op(self._backward, backward=True)
 
     def _matches(self, context):
         return context.get_op_name() == self.op_name or (
@@ -727,9 +732,14 @@ class _PlantNaN(amanda.Tool):
         self.seen += 1
 
     def _backward(self, context):
-        if self.planted_at is not None and context.get_op_id() == self.planted_at:
-            context.insert_after_backward_op(self._poison_first)
-            self.planted_at = ("planted", self.planted_at)
+        if self.planted_in is not None or context.get_op_id() != self.planted_at:
+            return
+        op = context.get_backward_op()
+        name = getattr(op, "__name__", None) or getattr(op, "name", "")
+        if "AccumulateGrad" in str(name):   # produces no gradient to poison
+            return
+        context.insert_after_backward_op(self._poison_first)
+        self.planted_in = str(name)
 
     @staticmethod
     def _poison(value):
@@ -857,9 +867,7 @@ def run_graph(args):
     tracer = GraphTracingTool()
     with amanda.apply(tracer):
         work.run()
-    graph = tracer.graph
-    if graph is None:
-        raise UsageError(f"no graph was traced for {args.model}")
+    graph = tracer.graph if tracer.graph is not None else _lift(work)
     ops = list(graph.ops)
     counts = collections.Counter(op.type for op in ops)
     _print_table(["op type", "ops"], [[t, n] for t, n in counts.most_common(args.top)], "<>",
@@ -869,15 +877,26 @@ def run_graph(args):
     written = []
     if "json" in formats:
         written.append(os.path.join(args.out, "graph.json"))
-        tracer.to_json(path=written[-1])
+        tracer.to_json(graph, path=written[-1])
     if "dot" in formats:
         written.append(os.path.join(args.out, "graph.dot"))
-        tracer.to_dot(path=written[-1], forward_only=args.forward_only)
+        tracer.to_dot(graph, path=written[-1], forward_only=args.forward_only)
     if "png" in formats:
         written.append(os.path.join(args.out, "graph.png"))
-        tracer.render_png(written[-1], forward_only=args.forward_only, title=args.model)
+        tracer.render_png(written[-1], graph, forward_only=args.forward_only, title=args.model)
     print("\nwritten: " + ", ".join(written))
     return 0
+
+
+def _lift(work):
+    """The IR graph of a graph-mode workload, lifted by its frontend."""
+    if work.framework == "tensorflow":
+        from amanda.frontends.tensorflow import lift_graph
+        return lift_graph(work.model.graph)
+    if work.framework == "onnx":
+        from amanda.frontends.onnx import lift
+        return lift(work.model)
+    raise UsageError(f"no graph was traced for {work.name}")
 
 
 def add_graph_arguments(parser):

@@ -447,6 +447,10 @@ def _load_onnx(spec):
     import onnx
     import onnxruntime  # noqa: F401  (imported now so amanda.apply instruments its sessions)
     model = onnx.load(spec)
+    try:   # static shapes for tools that read them (FLOPs)
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - an inference failure only loses shapes
+        pass
     # ONNX has no backward: a step is one inference
     return Workload(spec, model, (_onnx_feeds(model),), _onnx_forward, framework="onnx",
                     forward_fn=_onnx_forward)
