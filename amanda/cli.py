@@ -259,9 +259,56 @@ def run_demo(args):
     reports = _run_coverage(coverage_models, workloads, _stderr)
     print(textwrap.indent(coverage_table(reports), "    "))
 
-    path = _write_json(args.out, "demo.json", {"count": counts, "coverage": reports})
+    tools_model = (args.models or [DEMO_TOOLS_MODEL])[0]
+    print(f"\n3. More built-in tools, on {tools_model} (each is an `amanda` command):\n")
+    tools = _demo_tools(tools_model, workloads)
+
+    path = _write_json(args.out, "demo.json", {"count": counts, "coverage": reports,
+                                               "tools": _jsonable(tools)})
     print(f"\nfull report: {path} ({time.perf_counter() - start:.0f} s)")
     return 0
+
+
+DEMO_TOOLS_MODEL = "cnn"
+
+
+def _demo_tools(spec, workloads):
+    """FLOPs, 8-bit quantization and a planted NaN on one model, briefly."""
+    from amanda.tools.debugging import NanDetector
+    from amanda.tools.flops import FlopsProfiler
+    from amanda.tools.quantization import QuantizationTool
+    work = workloads(spec)
+    results = {"model": spec}
+
+    flops = FlopsProfiler()
+    with amanda.apply(flops):
+        work.run()
+    top = ", ".join(f"{t} {f / 1e6:,.1f}M" for t, f in list(flops.by_type("forward").items())[:3])
+    results["flops"] = {"forward": flops.total("forward"), "backward": flops.total("backward")}
+    print(f"    amanda flops {spec}:      forward {flops.total('forward') / 1e6:,.1f} MFLOPs "
+          f"({top}), backward {flops.total('backward') / 1e6:,.1f} MFLOPs")
+
+    quantization = QuantizationTool()
+    reference = work.forward()
+    with amanda.apply(quantization.calibration()):
+        work.forward()
+    quantization.freeze()
+    with amanda.apply(quantization):
+        quantized = work.forward()
+    error = _relative_error(reference, quantized)
+    results["quantize"] = {"ops": len(quantization.ops), "relative_error": error}
+    print(f"    amanda quantize {spec}:   {len(quantization.ops)} ops fake-quantized to 8 bits "
+          f"(per-channel weights), output relative error {error:.4f}")
+
+    plant, detector = _PlantNaN("conv2d", 2), NanDetector()
+    with amanda.apply(plant, detector):
+        work.run()
+    report = detector.report
+    results["nan_check"] = dataclasses.asdict(report) if report else None
+    where = (f"{report.op_name} in module {report.module_path!r}" if report else "nothing")
+    print(f"    amanda nan-check {spec} --plant conv2d:2:  first NaN found at {where}")
+    print("\n    More: amanda trace | prune | diff | graph (amanda --help)")
+    return results
 
 
 def add_demo_arguments(parser):
@@ -1010,14 +1057,16 @@ Graphviz DOT and a PNG drawing. Lists the op types it holds.""",
             example="amanda graph cnn --forward-only",
             add_arguments=add_graph_arguments, run=run_graph),
     Command("demo",
-            help="showcase: the tutorial's counting tool, then coverage vs module hooks",
+            help="showcase: the tutorial's counting tool, coverage vs module hooks, more tools",
             description="""\
 1. Apply the tutorial's CountOPTool (count conv2d / linear forward calls and
    Convolution / Addmm backward calls by op name, on any model, without
    touching its source) to the tutorial CNN and BERT.
 2. Compare the instrumentation points amanda offers with those of PyTorch
    module hooks on BERT and ResNet-50 (as `amanda coverage`).
-Writes OUT/demo.json. --models runs both parts on other models.""",
+3. Count FLOPs, quantize to 8 bits and find a planted NaN on the tutorial
+   CNN (as `amanda flops`, `amanda quantize`, `amanda nan-check`).
+Writes OUT/demo.json. --models runs every part on other models.""",
             example="amanda demo --models cnn gpt2-small",
             add_arguments=add_demo_arguments, run=run_demo),
     Command("models",

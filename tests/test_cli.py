@@ -92,6 +92,12 @@ def test_demo_on_small_models(tmp_path, capsys):
     assert counts["gpt2-small"]["backward"]["Addmm"] == 8
     coverage = {r["model"]: r for r in demo["coverage"]}
     assert coverage["gpt2-small"]["amanda_forward"] > coverage["gpt2-small"]["hooks_forward"]
+    tools = demo["tools"]                       # part 3 runs on the first model
+    assert tools["model"] == "cnn" and tools["quantize"]["ops"] == 6
+    assert 0 < tools["quantize"]["relative_error"] < 0.02
+    assert tools["flops"]["backward"] > tools["flops"]["forward"] > 0
+    assert tools["nan_check"]["module_path"] == "conv_layer3"
+    assert "amanda nan-check cnn --plant conv2d:2" in out
 
 
 def test_console_entry_point_runs():
