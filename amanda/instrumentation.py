@@ -32,7 +32,9 @@ def instrument(program, *tools):
     """Instrument a whole program at once with ``tools``.
 
     Args:
-        program: an :class:`amanda.ir.Graph`, a ``tf.Graph`` or a ``GraphDef``.
+        program: an :class:`amanda.ir.Graph`, a ``tf.Graph``, a ``GraphDef``,
+            an ``onnx.ModelProto``, or a PyTorch graph capture
+            (:func:`amanda.runtime.pytorch_graph.capture`).
         *tools: the tools to apply (with their dependencies).
 
     Returns:
@@ -42,6 +44,9 @@ def instrument(program, *tools):
         BackendError: no backend instruments programs of this kind.
         ToolError: an analysis routine failed.
     """
+    if hasattr(program, "instrument") and callable(program.instrument):
+        # programs that instrument themselves (a PyTorch CapturedProgram)
+        return program.instrument(*tools)
     kind = type(program).__module__.split(".")[0]
     entry = _INSTRUMENTERS.get(kind)
     if entry is None:

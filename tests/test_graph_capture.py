@@ -258,3 +258,29 @@ def test_docs_page_examples_run():
 
     namespace = run_examples("docs/pytorch-graph.md")
     assert namespace["graph_mode"].calls == 4
+
+
+def test_amanda_instrument_dispatches_a_captured_program():
+    import amanda
+    from amanda.runtime.pytorch_graph import capture
+    from tests.models import build_model
+    model, x = build_model("cnn")
+
+    class Double(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(self.analysis)
+
+        def analysis(self, context):
+            if context.get_op().__name__ == "relu":
+                context.insert_after_op(self.double)
+
+        @amanda.portable.routine
+        def double(self, y):
+            return y * 2
+
+    program = capture(model.eval(), (x,))
+    instrumented = amanda.instrument(program, Double())
+    assert instrumented is not program
+    with torch.no_grad():
+        assert not torch.allclose(instrumented(x), program(x))
