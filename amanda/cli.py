@@ -2,12 +2,18 @@
 
 Subcommands live in :data:`COMMANDS`, a table of :class:`Command` entries
 (name, help, description, an example, ``add_arguments(parser)`` and
-``run(args)``, which returns the exit status); adding one (``trace``,
-``flops``, ``prune``...) is writing those two functions and adding an entry.
+``run(args)``, which returns the exit status); adding one is writing those
+two functions and adding an entry. Each runs a built-in tool on a model spec
+of :mod:`amanda.models` (built-in names, ``keras:NAME``, ``*.onnx``,
+``file.py:factory``), prints a table (rich on a terminal, plain text
+otherwise) and writes its results to ``--out`` (default ``amanda-out/``).
+A subcommand whose tool module is missing fails with :class:`MissingPiece`
+naming it. See ``docs/cli.md``.
 
 Example::
 
-    amanda coverage bert resnet50 --out results/
+    amanda flops resnet50 keras:resnet50 --chart
+    amanda quantize cnn --weight-bits 4 --qat 20 --export cnn-qdq.onnx
     amanda demo
 """
 
@@ -22,7 +28,7 @@ import os
 import sys
 import textwrap
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import amanda
 
@@ -102,7 +108,7 @@ def _table(headers, rows, align):
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
 
     def line(cells):
-        return " | ".join(f"{str(c):{a}{w}}" for c, a, w in zip(cells, align, widths)).rstrip()
+        return " | ".join(f"{c!s:{a}{w}}" for c, a, w in zip(cells, align, widths)).rstrip()
 
     rule = "-+-".join("-" * w for w in widths)
     return "\n".join([line(headers), rule] + [line(row) for row in rows])
@@ -627,6 +633,7 @@ def _qat_steps(work, tool, reference, steps, lr):
     """Fine-tune the quantized PyTorch model towards the float model's
     outputs (mean squared error): the loss QAT lowers."""
     import torch
+
     from amanda.models import first_tensor
     parameters = [p for p in work.model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=lr)
@@ -827,8 +834,9 @@ def run_nan_check(args):
         rows = [["op", f"{report.op_name} (id {report.op_id})"],
                 ["module", report.module_path if report.module_path is not None else "-"],
                 ["backward op", report.backward_op_name or "-"],
-                ["output", f"#{report.output_index}: nan={report.output_stats['nan']} "
-                           f"inf={report.output_stats['inf']} of {report.output_stats['numel']}"]]
+                ["output", (f"#{report.output_index}: nan={report.output_stats['nan']} "
+                            f"inf={report.output_stats['inf']} of "
+                            f"{report.output_stats['numel']}")]]
         for i, s in enumerate(report.input_stats):
             rows.append([f"input {i}", "-" if s is None else
                          f"min={s['min']:.3g} max={s['max']:.3g} mean={s['mean']:.3g} "
@@ -961,8 +969,9 @@ def add_graph_arguments(parser):
 
 OTHER_SPECS = [
     ("keras:cnn", "the tutorial CNN in Keras, tf.compat.v1 graph; input (1, 32, 32, 3)"),
-    ("keras:NAME[:SIZE]", "a tf.keras.applications model (keras:resnet50, keras:mobilenetv2:96), "
-                          "weights=None, input (1, SIZE, SIZE, 3), SIZE 224 by default"),
+    ("keras:NAME[:SIZE]", ("a tf.keras.applications model (keras:resnet50, "
+                           "keras:mobilenetv2:96), weights=None, input (1, SIZE, SIZE, 3), "
+                           "SIZE 224 by default")),
     ("path/to/model.onnx", "an ONNX model, run with onnxruntime (random inputs)"),
     ("path/to/file.py:factory", "factory() returns (model, inputs) for a PyTorch model"),
 ]

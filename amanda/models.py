@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 SEED = 0
 
@@ -368,13 +369,13 @@ def _load_keras(spec):
     except ImportError:
         raise ModelSpecError(f"{spec}: Keras models need tensorflow") from None
     if name == "cnn":
-        build = lambda: _keras_cnn(size)  # noqa: E731
+        build = lambda: _keras_cnn(size)
     else:
         apps = keras_applications()
         if name not in apps:
             raise ModelSpecError(f"{spec}: no Keras application {name!r}; choose cnn or one "
                                  f"of {', '.join(sorted(apps))}")
-        build = lambda: apps[name](weights=None, input_shape=(size, size, 3))  # noqa: E731
+        build = lambda: apps[name](weights=None, input_shape=(size, size, 3))
     import numpy as np
     model = KerasGraphModel(build, [1, size, size, 3])
     inputs = (np.random.RandomState(SEED).rand(1, size, size, 3).astype(np.float32),)
@@ -447,10 +448,6 @@ def _load_onnx(spec):
     import onnx
     import onnxruntime  # noqa: F401  (imported now so amanda.apply instruments its sessions)
     model = onnx.load(spec)
-    try:   # static shapes for tools that read them (FLOPs)
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - an inference failure only loses shapes
-        pass
     # ONNX has no backward: a step is one inference
     return Workload(spec, model, (_onnx_feeds(model),), _onnx_forward, framework="onnx",
                     forward_fn=_onnx_forward)

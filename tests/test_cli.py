@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from amanda.cli import main  # noqa: E402
+from amanda.cli import main
 
 
 def _coverage(tmp_path, *models):
@@ -140,14 +140,12 @@ def test_demo_default_models_count_the_tutorial_numbers(tmp_path, capsys):
 
 # -- the tool subcommands, run as docs/cli.md shows them ------------------------------------
 
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import pathlib  # noqa: E402
-import shlex  # noqa: E402
+import contextlib
+import io
+import pathlib
+import shlex
 
-import numpy as np  # noqa: E402
-
-from amanda import cli  # noqa: E402
+from amanda import cli
 
 CLI_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 

@@ -2,6 +2,7 @@
 reference, per-channel and 4-bit grids, straight-through gradients,
 calibration, a short QAT run, a transformers model and the docs example."""
 
+import itertools
 import pathlib
 import re
 
@@ -10,9 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import amanda  # noqa: E402
-from amanda.tools.quantization import (MinMaxObserver, MovingAverageObserver,  # noqa: E402
-                                       QuantizationTool, QuantScheme)
+import amanda
+from amanda.tools.quantization import (
+    MinMaxObserver,
+    MovingAverageObserver,
+    QuantizationTool,
+    QuantScheme,
+)
 
 F = torch.nn.functional
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "quantization.md"
@@ -194,7 +199,7 @@ def test_short_qat_run_decreases_the_loss(cnn):
             scales.append(next(q.numpy()[0].copy() for (k, kind), q in tool.qparams.items()
                                if kind == "weight"))
     assert losses[-1] < 0.9 * losses[0], losses
-    assert sum(b < a for a, b in zip(losses, losses[1:])) >= 9, losses
+    assert sum(b < a for a, b in itertools.pairwise(losses)) >= 9, losses
     assert len(tool.ops) == 6                              # 4 conv2d + 2 linear
     assert not np.array_equal(scales[0], scales[-1])       # weight ranges tracked as they train
     tool.freeze()
@@ -244,9 +249,8 @@ def test_bad_arguments_raise_amanda_errors():
 def test_frozen_tool_without_calibration_names_the_op(linear):
     tool = QuantizationTool()
     tool.freeze()
-    with pytest.raises(amanda.ToolError, match="never observed") as info:
-        with amanda.apply(tool):
-            linear(torch.randn(2, 16))
+    with pytest.raises(amanda.ToolError, match="never observed") as info, amanda.apply(tool):
+        linear(torch.randn(2, 16))
     assert "linear" in str(info.value) and "QuantizationTool" in str(info.value)
 
 
@@ -291,8 +295,8 @@ def test_exported_onnx_has_qdq_pairs_matching_eager(cnn):
 
 
 def test_docs_example_runs():
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert blocks
     namespace = {}
     for number, code in enumerate(blocks):
-        exec(compile(code, f"{DOC.name} example {number}", "exec"), namespace)
+        exec(compile(code, f"{DOC.name} example {number}", "exec"), namespace)  # noqa: S102

@@ -51,9 +51,19 @@ from amanda.errors import AmandaError, ToolError
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["QuantScheme", "MinMaxObserver", "MovingAverageObserver", "OBSERVERS",
-           "QuantizationTool", "Calibration", "QParams", "fake_quantize", "tensor_range",
-           "CHANNEL_RULES", "QUANTIZED_TYPES"]
+__all__ = [
+    "CHANNEL_RULES",
+    "OBSERVERS",
+    "QUANTIZED_TYPES",
+    "Calibration",
+    "MinMaxObserver",
+    "MovingAverageObserver",
+    "QParams",
+    "QuantScheme",
+    "QuantizationTool",
+    "fake_quantize",
+    "tensor_range",
+]
 
 #: Canonical op types quantized by default (weight and input 0).
 QUANTIZED_TYPES = ("conv2d", "depthwise_conv2d", "linear")
@@ -239,7 +249,7 @@ class QParams:
         low, high: the range they were computed from (NumPy).
     """
 
-    __slots__ = ("scheme", "axis", "scale", "zero_point", "low", "high", "_as_tensor")
+    __slots__ = ("_as_tensor", "axis", "high", "low", "scale", "scheme", "zero_point")
 
     def __init__(self, scheme, axis, as_tensor, low, high):
         self.scheme, self.axis, self._as_tensor = scheme, axis, as_tensor
@@ -259,8 +269,8 @@ class QParams:
 
     def routine_kwargs(self):
         """Keyword arguments of :func:`fake_quantize`."""
-        return dict(scale=self.scale, zero_point=self.zero_point, qmin=self.scheme.qmin,
-                    qmax=self.scheme.qmax, axis=self.axis)
+        return {"scale": self.scale, "zero_point": self.zero_point, "qmin": self.scheme.qmin,
+                "qmax": self.scheme.qmax, "axis": self.axis}
 
     def numpy(self):
         """``(scale, zero_point)`` as NumPy arrays."""

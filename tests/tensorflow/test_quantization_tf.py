@@ -7,8 +7,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-import amanda  # noqa: E402
-from amanda.tools.quantization import QuantizationTool, QuantScheme  # noqa: E402
+import amanda
+from amanda.tools.quantization import QuantizationTool, QuantScheme
 
 F = torch.nn.functional
 
@@ -41,8 +41,8 @@ def _torch_twin(weights):
 
 @pytest.fixture
 def keras_cnn(keras_cnn_graph):
-    graph, x, loss, grads = built = keras_cnn_graph(batch=2)
-    session = tf.compat.v1.Session(graph=graph)
+    built = keras_cnn_graph(batch=2)
+    session = tf.compat.v1.Session(graph=built.graph)
     session.run(built.init)
     images = np.random.RandomState(0).rand(2, 16, 16, 3).astype(np.float32)
     yield built, session, images
@@ -116,8 +116,7 @@ def test_graph_mode_needs_calibrated_activations(keras_cnn):
     built, session, images = keras_cnn
     before = session.run(built.y, {built.x: images})
     tool = QuantizationTool()
-    with pytest.raises(amanda.ToolError, match="calibration") as info:
-        with amanda.apply(tool):
-            session.run(built.y, {built.x: images})
+    with pytest.raises(amanda.ToolError, match="calibration") as info, amanda.apply(tool):
+        session.run(built.y, {built.x: images})
     assert "Conv2D" in str(info.value) and "tensorflow" in str(info.value)
     np.testing.assert_array_equal(session.run(built.y, {built.x: images}), before)
