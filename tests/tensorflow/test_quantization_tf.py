@@ -120,3 +120,34 @@ def test_graph_mode_needs_calibrated_activations(keras_cnn):
         session.run(built.y, {built.x: images})
     assert "Conv2D" in str(info.value) and "tensorflow" in str(info.value)
     np.testing.assert_array_equal(session.run(built.y, {built.x: images}), before)
+
+
+def test_qat_training_in_a_tf_graph_decreases_the_loss():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.keras.utils.set_random_seed(0)
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 3])
+        labels = tf.compat.v1.placeholder(tf.int32, [8])
+        model = tf.keras.Sequential([tf.keras.Input((16, 16, 3)),
+                                     tf.keras.layers.Conv2D(8, 3, activation="relu"),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(10)])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=model(x)))
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss, var_list=[w.value for w in model.trainable_weights])
+        init = tf.compat.v1.variables_initializer([w.value for w in model.weights])
+    rng = np.random.RandomState(0)
+    feed = {x: rng.rand(8, 16, 16, 3).astype(np.float32), labels: rng.randint(0, 10, 8)}
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        tool = QuantizationTool(weight=QuantScheme(8, per_channel=True))
+        with amanda.apply(tool.calibration()):
+            session.run(loss, feed)
+        losses = []
+        with amanda.apply(tool):
+            for _ in range(15):
+                losses.append(session.run([loss, train], feed)[0])
+        trained = session.run(loss, feed)      # plain run: the trained weights are back
+    assert len(tool.ops) == 2
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert trained < losses[0]
