@@ -393,17 +393,18 @@ class _Lifter:
                 producers[name] = index
         needs = []
         for index, node in enumerate(proto.node):
-            free = []
-            for _, sub in _subgraphs(node):
-                free.extend(_free_variables(sub))
+            reads = [(name, "") for name in node.input]
+            for attr_name, sub in _subgraphs(node):
+                reads.extend((name, f" (in its subgraph {attr_name!r})")
+                             for name in _free_variables(sub))
             node_needs = set()
-            for name in list(node.input) + free:
+            for name, where in reads:
                 if not name or scope.defines(name):
                     continue
                 producer = producers.get(name)
                 if producer is None:
-                    raise BackendError(f"{_node_label(node, index)} reads {name!r}, which no "
-                                       "node, graph input or initializer produces")
+                    raise BackendError(f"{_node_label(node, index)} reads {name!r}{where}, which "
+                                       "no node, graph input or initializer produces")
                 if producer != index:
                     node_needs.add(producer)
                 elif name in node.input:
