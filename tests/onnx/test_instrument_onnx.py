@@ -287,3 +287,43 @@ def test_identity_on_every_op_of_light_models_is_exact(path):
     options.graph_optimization_level = level
     got = onnx_runtime.inference_session(exported, options).run(None, feeds)[0]
     assert same(got, session(model, level).run(None, feeds)[0])
+
+
+def test_routine_output_reaches_a_subgraph_that_captures_the_tensor():
+    """An If branch reads the Relu output from the enclosing graph; doubling
+    that output after Relu must change what the branch sees."""
+    from tests.onnx.conftest import TensorProto, helper
+
+    then = helper.make_graph([helper.make_node("Neg", ["r"], ["t"], name="neg")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [3])])
+    other = helper.make_graph([helper.make_node("Abs", ["r"], ["e"], name="abs")], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+         helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then,
+                          else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+
+    class Double(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(self.analyse, require_outputs=True)
+
+        def analyse(self, context):
+            if context.get_op_name() == "Relu":
+                context.insert_after_op(self.double)
+
+        @portable.routine
+        def double(self, r):
+            return r * 2.0
+
+    exported = onnx_runtime.export(model, Double())
+    onnx.checker.check_model(exported, full_check=True)
+    x = np.array([-1.0, 0.5, 2.0], np.float32)
+    for condition, sign in ((True, -1), (False, 1)):
+        got = session(exported).run(None, {"x": x, "c": np.array(condition)})[0]
+        assert same(got, (sign * 2 * np.maximum(x, 0)).astype(np.float32))

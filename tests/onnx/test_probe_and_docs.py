@@ -60,5 +60,6 @@ def python_blocks(relative):
 def test_docs_examples_run(page):
     blocks = python_blocks(page)
     assert blocks
+    namespace = {"__name__": "docs_example"}   # later blocks continue earlier ones
     for block in blocks:
-        exec(compile(block, page, "exec"), {"__name__": "docs_example"})
+        exec(compile(block, page, "exec"), namespace)
