@@ -19,7 +19,6 @@ to vanilla (``harness.summarize``). Also reported: session creation inside
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 from benchmarks import harness

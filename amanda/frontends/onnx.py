@@ -82,7 +82,7 @@ class ProtoAttr:
         message: the protobuf message.
     """
 
-    __slots__ = ("message", "_digest")
+    __slots__ = ("_digest", "message")
 
     def __init__(self, message):
         self.message = message

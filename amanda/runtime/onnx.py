@@ -691,7 +691,7 @@ def _collect_names(graph, names):
         meta = op.attrs.get("_onnx") or {}
         if meta.get("name"):
             names.add(meta["name"])
-        for key, value in op.attrs.items():
+        for value in op.attrs.values():
             for _, sub in iter_graphs(value):
                 _collect_names(sub, names)
 

@@ -20,8 +20,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_extensions")
 
-import numpy as np  # noqa: E402
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
 ort.set_default_logger_severity(3)   # opset-6 models make onnxruntime chatty
 
@@ -33,6 +33,11 @@ def model_dirs(suite):
     """Directories of one suite that hold a model, sorted."""
     return sorted(d for d in glob.glob(os.path.join(DATA, suite, "*"))
                   if os.path.isfile(os.path.join(d, "model.onnx")))
+
+
+def _numbered(directory, kind):
+    paths = glob.glob(os.path.join(directory, f"{kind}_*.pb"))
+    return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[1][:-3]))
 
 
 def light_models():
@@ -52,11 +57,8 @@ def data_sets(model_dir, model):
     names = [i.name for i in model.graph.input if i.name not in initializers]
     result = []
     for directory in sorted(glob.glob(os.path.join(model_dir, "test_data_set_*"))):
-        def numbered(kind):
-            paths = glob.glob(os.path.join(directory, f"{kind}_*.pb"))
-            return sorted(paths, key=lambda p: int(p.rsplit("_", 1)[1][:-3]))
-        inputs = [read_tensor(p) for p in numbered("input")]
-        outputs = [read_tensor(p) for p in numbered("output")]
+        inputs = [read_tensor(p) for p in _numbered(directory, "input")]
+        outputs = [read_tensor(p) for p in _numbered(directory, "output")]
         result.append((dict(zip(names, inputs)), outputs))
     return result
 

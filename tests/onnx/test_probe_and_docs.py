@@ -53,7 +53,7 @@ def test_probe_every_conv_of_a_light_model_matches_an_extra_output():
 
 def python_blocks(relative):
     with open(os.path.join(ROOT, relative)) as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+        return re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
 
 
 @pytest.mark.parametrize("page", ["docs/tools/probe.md", "docs/onnx.md"])

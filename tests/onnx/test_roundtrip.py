@@ -8,14 +8,22 @@ original itself (the reason is onnxruntime's own error).
 
 import os
 
+import numpy as np
 import pytest
 
 from amanda.frontends.onnx import lift
 from amanda.runtime.onnx import MAX_IR_VERSION, lower
-from tests.onnx.conftest import (SUITES, data_sets, light_feeds, light_models, model_dirs,
-                                 onnx, read_tensor, same, session)
-
-import numpy as np  # noqa: E402
+from tests.onnx.conftest import (
+    SUITES,
+    data_sets,
+    light_feeds,
+    light_models,
+    model_dirs,
+    onnx,
+    read_tensor,
+    same,
+    session,
+)
 
 CASES = [pytest.param(d, id=f"{suite}/{os.path.basename(d)}")
          for suite in SUITES for d in model_dirs(suite)]
