@@ -112,3 +112,33 @@ def test_lowering_reports_bad_positions():
     plan = run_instrumentation_pass(graph, session_for((Bad(),)), Backend())
     with pytest.raises(ToolError, match=r"selects position 5 but the op has 2"):
         lower_actions(graph, plan)
+
+
+def test_after_routines_of_several_tools_chain_in_recorded_order():
+    """The second tool's after-routine reads what the first one returned (as
+    in eager PyTorch), and consumers read the last one's result."""
+    def first(y):
+        return y
+
+    def second(y):
+        return y
+
+    def tool(routine):
+        t = amanda.Tool()
+        t.add_inst_for_op(lambda c: c.insert_after_op(routine)
+                          if c.get_op_name() == "Relu" else None)
+        return t
+
+    graph = small_graph()
+    plan = run_instrumentation_pass(graph, session_for((tool(first), tool(second))),
+                                    Backend())
+    lowered = lower_actions(graph, plan)
+    lowered.verify()
+    ops = {op.name: op for op in lowered.ops}
+    routines = {op.attrs["routine"].split(".")[-1]: op for op in lowered.ops
+                if op.type == ROUTINE}
+    first, second = routines["first"], routines["second"]
+    assert first.inputs[0].producer is ops["relu"]
+    assert second.inputs[0].producer is first
+    assert lowered.outputs[0].producer is second
+    assert ops["grad/relu"].inputs[1].producer is ops["relu"]

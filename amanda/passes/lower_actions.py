@@ -48,7 +48,10 @@ def lower_actions(graph, plan):
             _lower_replace(result, op, action, owned)
         for action in entry.before:
             _lower_before(result, op, action, owned)
-        for action in entry.after:
+        # each after-routine is inserted right behind the op and reads its
+        # outputs, so lowering them last to first chains them in recorded
+        # order: the k-th routine sees what the (k-1)-th one returned
+        for action in reversed(entry.after):
             _lower_after(result, op, action, owned)
     return result
 

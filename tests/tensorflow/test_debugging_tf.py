@@ -90,3 +90,35 @@ def test_op_statistics_relu_sparsity(keras_cnn_graph):
     assert row["sparsity"] == pytest.approx(float((expected == 0).mean()))
     assert row["mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
     np.testing.assert_array_equal(tool.dumped()[(relu[0].name, 0)], expected)
+
+
+class PlantAfterConv(amanda.Tool):
+    """Another tool's after-routine turns the second Conv2D's output into NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = 0
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        if context.get_op().type == "Conv2D":
+            if self.convs == 1:
+                context.insert_after_op(lambda y: y * np.float32("nan"))
+            self.convs += 1
+
+
+def test_detector_sees_a_nan_planted_by_an_earlier_tool(keras_cnn_graph):
+    """After-routines of several tools chain: the detector (applied second)
+    reads the planted output, so it names the Conv2D, not its reader."""
+    model = keras_cnn_graph()
+    image = np.random.default_rng(0).random((2, 16, 16, 3), np.float32)
+    detector = NanDetector()
+    with tf.compat.v1.Session(graph=model.graph) as session:
+        session.run(model.init)
+        with amanda.apply(PlantAfterConv(), detector):
+            y = session.run(model.y, {model.x: image})
+    assert np.isnan(y).all()
+    convs = [op.name for op in model.graph.get_operations() if op.type == "Conv2D"]
+    assert detector.report is not None
+    assert detector.report.op_name == "Conv2D"
+    assert detector.report.op_id == convs[1]
