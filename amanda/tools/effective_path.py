@@ -51,15 +51,17 @@ import numpy as np
 
 import amanda
 from amanda.errors import ToolError
-from amanda.tools import mapping_rules
+from amanda.tools import mapping_rules, mapping_tables
 from amanda.tools.graph import GraphTracingTool, module_path
 from amanda.tools.mapping import MappingTool
 
 __all__ = [
     "PARAM_READERS",
     "PASS_THROUGH_TYPES",
+    "INPUT_TYPES",
     "RESHAPE_TYPES",
     "RULES",
+    "WEIGHT_SOURCE_TYPES",
     "EffectivePath",
     "EffectivePathTool",
     "Extraction",
@@ -148,10 +150,7 @@ class OpValues:
 
 
 def _linear(v):
-    x, weight = v.inputs[0], v.inputs[1]
-    transposed = v.params.get("weight_layout", "OI") == "IO"   # ONNX MatMul, Gemm transB=0
-    if transposed:
-        weight = weight.T
+    x, weight = v.inputs[0], v.inputs[1]   # weight (out, in): moved there by _step
     batch, width = x.shape[0], x.shape[-1]
     rows = x.reshape(batch, -1, width).astype(np.float64)
     w = weight.astype(np.float64)
@@ -164,8 +163,6 @@ def _linear(v):
         m, i = np.nonzero(selected)
         critical[n[start:stop][m], p[start:stop][m], i] = True
         synapses[n[start:stop][m], j[start:stop][m], i] = True
-    if transposed:
-        synapses = synapses.transpose(0, 2, 1)
     return Extraction({0: critical.reshape(x.shape)}, synapses)
 
 
@@ -294,12 +291,20 @@ def _add(v):
                        for i, value in enumerate(v.inputs) if value is not None})
 
 
-#: Element-wise ops whose critical neurons pass to their first input.
+#: Element-wise ops whose critical neurons pass to their first input
+#: (``bias_add``: TF's separate bias, excluded like a layer's bias elsewhere).
 PASS_THROUGH_TYPES = frozenset({
     "relu", "relu6", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "elu",
     "selu", "softplus", "batch_norm", "dropout", "identity", "clone", "contiguous", "to",
-    "float", "detach",
+    "float", "detach", "cast", "bias_add",
 })
+#: Ops producing a weight's value (TF ``ReadVariableOp``): the walk ends
+#: there and they are not reported as neurons, like PyTorch parameters and
+#: ONNX initializers.
+WEIGHT_SOURCE_TYPES = frozenset({"read_variable_op"})
+#: Ops feeding the model's input (TF ``Placeholder``): reported in
+#: :attr:`EffectivePath.inputs`, like graph inputs.
+INPUT_TYPES = frozenset({"placeholder"})
 #: Ops that only change the shape: critical neurons keep their element order.
 RESHAPE_TYPES = frozenset({"reshape", "view", "flatten", "squeeze", "unsqueeze"})
 
@@ -312,6 +317,7 @@ RULES = {
     "adaptive_avg_pool2d": _average(_adaptive_windows),
     "add": _add,
     **{t: _pass_through for t in PASS_THROUGH_TYPES | RESHAPE_TYPES},
+    **{t: (lambda v: Extraction({})) for t in WEIGHT_SOURCE_TYPES},
 }
 
 
@@ -397,7 +403,72 @@ def _onnx_linear_params(op, values):
         raise ToolError("effective path: Gemm with transA is not supported",
                         op_name=op.name, namespace=op.namespace)
     layout = "OI" if op.type == "Gemm" and op.attrs.get("transB", 0) else "IO"
-    return {"weight_layout": layout}
+    return {"layouts": {"weight": layout}}
+
+
+def _tf_spatial(values):
+    """``(height, width)`` of an NHWC attribute list (``[1, h, w, 1]``)."""
+    return int(values[1]), int(values[2])
+
+
+def _tf_pads(op, size, kernel, strides, dilations):
+    """``(top, left, bottom, right)`` of TF's ``padding`` attribute on an
+    NHWC input of spatial ``size``."""
+    padding = op.attrs.get("padding", "VALID")
+    if padding == "VALID":
+        return (0, 0, 0, 0)
+    if padding == "EXPLICIT":
+        explicit = [int(p) for p in op.attrs.get("explicit_paddings", [])]
+        return (explicit[2], explicit[4], explicit[3], explicit[5])
+    if padding != "SAME":
+        raise ToolError(f"effective path: padding={padding!r} is not supported",
+                        op_name=op.name, namespace=op.namespace)
+    before, after = [], []
+    for length, k, s, d in zip(size, kernel, strides, dilations):
+        total = max((-(-length // s) - 1) * s + (k - 1) * d + 1 - length, 0)
+        before.append(total // 2)
+        after.append(total - total // 2)
+    return (before[0], before[1], after[0], after[1])
+
+
+def _tf_spec_layouts(op, canonical):
+    """The mapping table's layouts of this TF op: ``{"input": "NHWC",
+    "weight": "HWIO"}`` for ``Conv2D``."""
+    spec = mapping_tables.lookup("tensorflow", op.type, canonical)
+    return {} if spec is None else dict(spec.layouts)
+
+
+def _tf_conv_params(op, values):
+    strides = _tf_spatial(op.attrs.get("strides", [1, 1, 1, 1]))
+    dilations = _tf_spatial(op.attrs.get("dilations", [1, 1, 1, 1]))
+    kernel = np.shape(values[1])[:2]               # HWIO
+    size = np.shape(values[0])[1:3]                # NHWC
+    groups = np.shape(values[0])[3] // np.shape(values[1])[2]
+    return {"strides": strides, "dilations": dilations, "groups": int(groups),
+            "pads": _tf_pads(op, size, kernel, strides, dilations),
+            "layouts": _tf_spec_layouts(op, "conv2d")}
+
+
+def _tf_pool_params(canonical):
+    def read(op, values):
+        kernel = _tf_spatial(op.attrs["ksize"])
+        strides = _tf_spatial(op.attrs.get("strides", [1, 1, 1, 1]))
+        size = np.shape(values[0])[1:3]
+        # TF's average pooling divides by the window's elements inside the input
+        return {"kernel": kernel, "strides": strides, "dilations": (1, 1),
+                "pads": _tf_pads(op, size, kernel, strides, (1, 1)),
+                "count_include_pad": False, "layouts": _tf_spec_layouts(op, canonical)}
+    return read
+
+
+def _tf_linear_params(op, values):
+    if op.attrs.get("transpose_a") or np.ndim(values[0]) != 2:
+        raise ToolError("effective path: MatMul with transpose_a is not supported",
+                        op_name=op.name, namespace=op.namespace)
+    layouts = _tf_spec_layouts(op, "linear")
+    if op.attrs.get("transpose_b"):
+        layouts["weight"] = "OI"
+    return {"layouts": layouts}
 
 
 #: ``namespace prefix -> {canonical type: reader(op, input values) -> params}``.
@@ -415,14 +486,51 @@ PARAM_READERS = {
         "avg_pool2d": _onnx_pool_params,
         "linear": _onnx_linear_params,
     },
+    "tensorflow": {
+        "conv2d": _tf_conv_params,
+        "max_pool2d": _tf_pool_params("max_pool2d"),
+        "avg_pool2d": _tf_pool_params("avg_pool2d"),
+        "linear": _tf_linear_params,
+    },
 }
 
 
 def _params(op, op_type, values):
+    data_format = op.attrs.get("data_format")
+    if op.namespace.startswith("tensorflow") and data_format not in (None, "NHWC"):
+        raise ToolError(f"effective path: data_format={data_format!r} is not supported "
+                        f"(TensorFlow graphs: NHWC only)", op_name=op.name, namespace=op.namespace)
     for prefix, readers in PARAM_READERS.items():
         if op.namespace.startswith(prefix) and op_type in readers:
             return readers[op_type](op, values)
     return {}
+
+
+# Where rules see weights: PyTorch's layouts.
+_CANONICAL_WEIGHT = {4: "OIHW", 2: "OI"}
+
+
+def _canonical_call(rule, v, layouts):
+    """Run ``rule`` on canonical layouts (activations NCHW, weights OIHW/OI)
+    and give input masks back in the backend's layouts; synapses stay
+    canonical. ``layouts``: role (``input``, ``weight``) -> backend layout,
+    from the mapping tables."""
+    inputs = list(v.inputs)
+    activation = layouts.get("input")
+    moved = activation not in (None, "NCHW") and len(activation) == 4 and np.ndim(inputs[0]) == 4
+    output, mask = v.output, v.mask
+    if moved:
+        inputs[0] = mapping_tables.convert_layout(inputs[0], activation, "NCHW")
+        output = mapping_tables.convert_layout(output, activation, "NCHW")
+        mask = mapping_tables.convert_layout(mask, activation, "NCHW")
+    weight = layouts.get("weight")
+    if weight is not None and len(inputs) > 1 and np.ndim(inputs[1]) == len(weight):
+        inputs[1] = mapping_tables.convert_layout(inputs[1], weight,
+                                                  _CANONICAL_WEIGHT[len(weight)])
+    result = rule(OpValues(v.op, v.type, inputs, output, mask, v.params, v.theta))
+    if moved and 0 in result.inputs:
+        result.inputs[0] = mapping_tables.convert_layout(result.inputs[0], "NCHW", activation)
+    return result
 
 
 # -- paths ------------------------------------------------------------------------------
@@ -590,7 +698,9 @@ def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown)
     values = [value_of(t) for t in tensors]
     output = value_of(op.outputs[0])
     params = _params(op, op_type, values)
-    result = rule(OpValues(op, op_type, values, output, out_mask, params, theta))
+    layouts = params.pop("layouts", None)
+    values = OpValues(op, op_type, values, output, out_mask, params, theta)
+    result = _canonical_call(rule, values, layouts) if layouts else rule(values)
     for position, mask in result.inputs.items():
         tensor = tensors[position]
         if tensor in masks:
@@ -601,14 +711,57 @@ def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown)
         found[op] = result.synapses
 
 
+#: Types whose output keeps its input's layout (element-wise, bias, add).
+_LAYOUT_KEEPING = PASS_THROUGH_TYPES | {"add"}
+
+
+def _channels_last(ops, type_of):
+    """The IR tensors on the path holding NHWC images.
+
+    Seeds: the activation input and output of ops with a ``data_format``
+    attribute of ``NHWC`` (TF convolutions, pooling, ``BiasAdd`` on 4-D
+    tensors); spread, in both directions, through element-wise ops keeping
+    the layout (``relu``, ``add``...), not through reshapes."""
+    found = set()
+    for op in ops:
+        if op.attrs.get("data_format") == "NHWC" and op.inputs and op.outputs:
+            found.update(t for t in (op.inputs[0], op.outputs[0])
+                         if len(t.attrs.get("shape") or ()) == 4)
+    keeping = [op for op in ops if type_of(op) in _LAYOUT_KEEPING and op.outputs]
+    changed = bool(found)
+    while changed:
+        changed = False
+        for op in keeping:
+            ends = [t for t in op.inputs if t.attrs.get("shape") is not None
+                    and len(t.attrs["shape"]) == 4] + [op.outputs[0]]
+            if any(t in found for t in ends) and not all(t in found for t in ends):
+                found.update(ends)
+                changed = True
+    return found
+
+
+def _report(mask, tensor, channels_last):
+    """One sample's mask in the canonical layout (CHW for NHWC images)."""
+    return np.transpose(mask, (2, 0, 1)) if tensor in channels_last and mask.ndim == 3 else mask
+
+
 def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
     ops = list(ops)
+    channels_last = _channels_last(ops, type_of)
     paths = []
     for b, label in enumerate(labels):
         path = EffectivePath(int(label), theta)
         for op in ops:
-            path.neurons[op.name] = masks[op.outputs[0]][b]
-            path.types[op.name] = type_of(op)
+            op_type = type_of(op)
+            if op_type in WEIGHT_SOURCE_TYPES:
+                continue
+            output = op.outputs[0]
+            mask = _report(masks[output][b], output, channels_last)
+            if op_type in INPUT_TYPES and not op.inputs:
+                path.inputs[op.name] = mask
+                continue
+            path.neurons[op.name] = mask
+            path.types[op.name] = op_type
             path.modules[op.name] = module_path(op)
             if op in found:
                 path.synapses[op.name] = found[op][b]
@@ -616,7 +769,7 @@ def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
             mask = masks.get(tensor)
             weight = tensor.attrs.get("kind", "input") != "input" or "initializer" in tensor.attrs
             if mask is not None and not weight and mask.shape[0] == len(labels):
-                path.inputs[tensor.name] = mask[b]
+                path.inputs[tensor.name] = _report(mask[b], tensor, channels_last)
         path.unknown = list(unknown)
         paths.append(path)
     return paths
@@ -666,6 +819,7 @@ class EffectivePathTool(amanda.Tool):
         self._types = {}      # op id -> canonical type
         self._pending = {}    # op id -> inputs of the running execution
         self._values = {}     # op id -> (inputs, outputs) of this step
+        self._targets = {}    # id(whole graph) -> (graph, its logits tensor)
 
     def record_op(self, context):
         """Analysis routine: remember the op's canonical type and keep its
@@ -684,10 +838,10 @@ class EffectivePathTool(amanda.Tool):
         graph = context.get_graph()
         if ir_op is None or graph is None or "op_id" in ir_op.attrs:
             return None
-        target = self._output_tensor(graph, required=False)
-        if target is None:
-            forward = [op for op in graph.ops if not op.attrs.get("backward")]
-            target = forward[-1].outputs[0] if forward and forward[-1].outputs else None
+        cached = self._targets.get(id(graph))
+        if cached is None or cached[0] is not graph:
+            cached = self._targets[id(graph)] = (graph, self._output_tensor(graph, required=False))
+        target = cached[1]
         return graph if target is not None and target.producer is ir_op else None
 
     def _keep_inputs(self, *tensors, op_id):
@@ -738,14 +892,21 @@ class EffectivePathTool(amanda.Tool):
             op.type, mapping_rules.PYTORCH_TYPES)
 
     def _output_tensor(self, graph, required=True):
+        """The IR tensor holding the logits: see ``output``. None (the last
+        forward op's output) for eager steps when no ``output`` is given."""
+        forward = [op for op in graph.ops if not op.attrs.get("backward")]
         if self.output is None:
-            return None
-        if callable(self.output):
-            matches = [op for op in graph.ops if not op.attrs.get("backward")
-                       and self.output(op)]
+            return _default_output(forward) if _whole_graph(graph) else None
+        name = getattr(getattr(self.output, "op", None), "name", None)   # a TF tensor
+        if name is not None:
+            matches = [op for op in forward if op.name == name]
+        elif callable(self.output):
+            matches = [op for op in forward if self.output(op)]
         else:
-            matches = [op for op in graph.ops if not op.attrs.get("backward")
-                       and op.attrs.get("module") == self.output]
+            wanted = str(self.output)
+            op_name = wanted.rpartition(":")[0] if wanted.rpartition(":")[2].isdigit() else wanted
+            matches = [op for op in forward if op.attrs.get("module") == wanted]
+            matches = matches or [op for op in forward if op.name == op_name]
         if not matches or not matches[-1].outputs:
             if not required:
                 return None
@@ -761,6 +922,25 @@ class EffectivePathTool(amanda.Tool):
         """Forget the extracted paths (and the steps not walked yet)."""
         self._paths, self._steps = [], []
         self.unknown.clear()
+
+
+def _whole_graph(graph):
+    """Whether ``graph`` is a whole graph (ONNX, TensorFlow), not an eager
+    step traced op by op (whose ops carry an ``op_id``)."""
+    return bool(graph.ops) and "op_id" not in graph.ops[0].attrs
+
+
+def _default_output(forward):
+    """The logits of a whole graph: the last forward op whose first output
+    is statically ``(batch, classes)``; else the last forward op with an
+    output (graphs without shapes)."""
+    with_outputs = [op for op in forward if op.outputs]
+    for op in reversed(with_outputs):
+        shape = op.outputs[0].attrs.get("shape")
+        if shape is not None and len(shape) == 2 and \
+                str(op.outputs[0].attrs.get("dtype", "float")).startswith(("float", "double")):
+            return op.outputs[0]
+    return with_outputs[-1].outputs[0] if with_outputs else None
 
 
 def _op_key(op):
