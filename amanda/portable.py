@@ -159,28 +159,23 @@ def _pair(name, a, b):
     return kind, a, b
 
 
-def minimum(a, b):
-    """Element-wise minimum (broadcasting)."""
-    kind, a, b = _pair("minimum", a, b)
-    if kind == "sym":
-        return _sym_of(a, b)._binary("minimum", a, b)
-    if kind == "torch":
-        return _torch().minimum(a, b)
-    if kind == "tensorflow":
-        return _tf().minimum(a, b)
-    return np.minimum(a, b)
+def _binary(name, numpy_func):
+    def function(a, b):
+        kind, a, b = _pair(name, a, b)
+        if kind == "sym":
+            return _sym_of(a, b)._binary(name, a, b)
+        if kind == "torch":
+            return getattr(_torch(), name)(a, b)
+        if kind == "tensorflow":
+            return getattr(_tf(), name)(a, b)
+        return numpy_func(a, b)
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = f"Element-wise ``{name}`` of two tensors (broadcasting)."
+    return function
 
 
-def maximum(a, b):
-    """Element-wise maximum (broadcasting)."""
-    kind, a, b = _pair("maximum", a, b)
-    if kind == "sym":
-        return _sym_of(a, b)._binary("maximum", a, b)
-    if kind == "torch":
-        return _torch().maximum(a, b)
-    if kind == "tensorflow":
-        return _tf().maximum(a, b)
-    return np.maximum(a, b)
+minimum = _binary("minimum", np.minimum)
+maximum = _binary("maximum", np.maximum)
 
 
 def clip(x, lo, hi):

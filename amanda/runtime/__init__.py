@@ -7,6 +7,7 @@ framework.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
@@ -58,3 +59,16 @@ def evaluate(values):
             return [np.asarray(v) for v in values]
         return np.asarray(values)
     return importlib.import_module(module).evaluate(values)
+
+
+@contextlib.contextmanager
+def swapped(holder, name, value):
+    """Set ``holder.name`` to ``value`` for the block and restore the previous
+    value (None when there was none) afterwards, also on error. Runtimes use
+    it on their thread-local analysis state."""
+    saved = getattr(holder, name, None)
+    setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        setattr(holder, name, saved)

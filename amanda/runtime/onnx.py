@@ -34,7 +34,6 @@ model's bytes. How it fits together and its limits: ``docs/onnx.md``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os
@@ -51,6 +50,7 @@ from amanda.errors import AmandaError, BackendError, ToolError, describe
 from amanda.frontends.onnx import ProtoAttr, lift, load_model
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.runtime import swapped
 from amanda.runtime.routines import call_routine
 
 __all__ = ["DRIVER", "evaluate", "example_feeds", "export", "inference_session",
@@ -99,7 +99,6 @@ class OnnxGraphBackend(GraphBackend):
 _analysis = threading.local()
 
 
-@contextlib.contextmanager
 def example_feeds(feeds):
     """Inputs that `evaluate` may run the model on while tools analyse it.
 
@@ -109,11 +108,7 @@ def example_feeds(feeds):
     Args:
         feeds: ``{graph input name: array}``.
     """
-    saved, _analysis.feeds = getattr(_analysis, "feeds", None), dict(feeds)
-    try:
-        yield
-    finally:
-        _analysis.feeds = saved
+    return swapped(_analysis, "feeds", dict(feeds))
 
 
 def evaluate(values):
@@ -212,13 +207,8 @@ class _Probe:
         return order, [t for t in self.graph.inputs if t in inputs]
 
 
-@contextlib.contextmanager
 def _probing(probe):
-    saved, _analysis.probe = getattr(_analysis, "probe", None), probe
-    try:
-        yield
-    finally:
-        _analysis.probe = saved
+    return swapped(_analysis, "probe", probe)
 
 
 # -- instrumenting a model -------------------------------------------------------------

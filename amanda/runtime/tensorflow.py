@@ -29,7 +29,6 @@ How it all fits together, and its limits, is in ``docs/tensorflow.md``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 import weakref
@@ -43,6 +42,7 @@ from amanda import controls, portable
 from amanda.errors import BackendError
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.runtime import swapped
 from amanda.runtime.routines import call_routine
 
 __all__ = ["NAMESPACE", "current_session", "evaluate"]
@@ -123,13 +123,8 @@ def evaluate(tensors):
     return probe.evaluate([tensors])[0]
 
 
-@contextlib.contextmanager
 def _probing(probe):
-    saved, _analysis.probe = getattr(_analysis, "probe", None), probe
-    try:
-        yield
-    finally:
-        _analysis.probe = saved
+    return swapped(_analysis, "probe", probe)
 
 
 class _SessionProbe:
