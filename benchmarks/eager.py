@@ -285,10 +285,7 @@ def run(repeats=None, quick=False, specs=MODELS, log=print):
     ``repeats`` overrides every model's repeat count; ``quick`` uses each
     model's short count and one warm-up round.
     """
-    results = []
-    for spec in specs:
-        n = repeats or (spec.quick_repeats if quick else spec.repeats)
-        log(f"[eager] {spec.name}: {n} repeats x {len(CONFIG_NAMES)} configs ...")
-        results.append(benchmark_model(spec, n, warmup=1 if quick else 2))
+    results = harness.benchmark_models(NAME, specs, CONFIG_NAMES, benchmark_model,
+                                       repeats, quick, log)
     info = machine()
     return render(results, info), {"suite": NAME, "machine": info, "results": results}

@@ -178,6 +178,20 @@ def machine_markdown(info):
     return "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
 
 
+def benchmark_models(suite, specs, configs, benchmark_model, repeats=None, quick=False,
+                     log=print):
+    """Benchmark each model spec in turn: ``benchmark_model(spec, repeats,
+    warmup=...)`` with ``repeats`` (when given) or the spec's own count
+    (``quick_repeats`` with ``quick``, which also warms up once instead of twice).
+    Returns the list of results."""
+    results = []
+    for spec in specs:
+        n = repeats or (spec.quick_repeats if quick else spec.repeats)
+        log(f"[{suite}] {spec.name}: {n} repeats x {len(configs)} configs ...")
+        results.append(benchmark_model(spec, n, warmup=1 if quick else 2))
+    return results
+
+
 def write_results(name, markdown, raw, directory=RESULTS_DIR):
     """Write ``<name>.md`` and ``<name>.json`` under ``directory``."""
     directory = Path(directory)
