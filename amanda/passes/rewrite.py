@@ -497,6 +497,8 @@ class Explanation:
         target: the graph op or tensor it was compared with, by name.
         reason: the failed condition.
         match: the `Match` when matched.
+        depth: how far matching got (pattern ops and wildcards matched before
+            the failure); -1 when the graph has no candidate anchor.
     """
 
     matched: bool
@@ -507,6 +509,7 @@ class Explanation:
     target: str | None = None
     reason: str | None = None
     match: Match | None = None
+    depth: int = 0
 
     @property
     def message(self):
@@ -531,7 +534,10 @@ def explain(pattern, graph, at=None):
     """Explains whether ``pattern`` matches ``graph`` with its anchor at ``at``.
 
     Args:
-        pattern: a `Pattern`.
+        pattern: a `Pattern`, a `Rule`, or a list of them (a rule set such as
+            ``gelu_tanh_rules("onnx")``, whose patterns spell one rewrite in
+            several op orders): the first that matches is reported, else the
+            attempt that got furthest (the first of those in list order).
         graph: the graph.
         at: a graph op or op name. If None, every op of the anchor's type is
             tried and the attempt that got furthest is explained.
@@ -541,14 +547,21 @@ def explain(pattern, graph, at=None):
         graph op it was compared with and the condition that failed.
 
     Raises:
-        RewriteError: ``at`` names no op of ``graph``.
+        RewriteError: ``at`` names no op of ``graph``, or ``pattern`` is empty.
     """
+    if isinstance(pattern, (list, tuple)):
+        if not pattern:
+            raise RewriteError("explain: no pattern given")
+        explanations = [explain(p, graph, at) for p in pattern]
+        return next((e for e in explanations if e.matched), None) or max(explanations, key=lambda e: e.depth)
+    if isinstance(pattern, Rule):
+        pattern = pattern.pattern
     if at is None:
         candidates = [op for op in graph if op.type in pattern.anchor_types]
         if not candidates:
             return Explanation(False, pattern.name, None, reason=f"the graph has no op of type "
                                f"{' or '.join(sorted(pattern.anchor_types))} for anchor "
-                               f"{pattern.anchor.name!r}")
+                               f"{pattern.anchor.name!r}", depth=-1)
         results = [(c, match_at(pattern, graph, c)) for c in candidates]
         for c, r in results:
             if isinstance(r, Match):
@@ -565,9 +578,9 @@ def explain(pattern, graph, at=None):
 
 def _explained(pattern, op, result):
     if isinstance(result, Match):
-        return Explanation(True, pattern.name, op.name, match=result)
+        return Explanation(True, pattern.name, op.name, match=result, depth=len(result.ops) + len(result.bindings))
     node, target = result.node, result.target
-    return Explanation(False, pattern.name, op.name, node=node.name,
+    return Explanation(False, pattern.name, op.name, node=node.name, depth=result.depth,
                        node_type=node.type if isinstance(node, Op) else None,
                        target=None if target is None else ("%" + target.name if isinstance(target, Tensor)
                                                            else target.name),

@@ -308,6 +308,124 @@ def fold_batchnorm_rules(backend):
     raise RewriteError(f"fold_batchnorm_rules: no rules for backend {backend!r} (pytorch, tensorflow, onnx)")
 
 
+# ---------------------------------------------------------------------------
+# Constants read from graphs (TF Const, ONNX Constant or initializer)
+# ---------------------------------------------------------------------------
+
+
+def _scalar_value(tensor):
+    """The value of a one-element constant tensor as a float, or None if it is not one.
+
+    Reads a TensorFlow ``Const`` (lifted value dict or array), an ONNX
+    ``Constant`` (``value`` tensor, ``value_float``) or an ONNX initializer.
+    """
+    producer = tensor.producer
+    if producer is None:
+        value = tensor.attrs.get("initializer")
+    elif producer.type == "Const":
+        value = producer.attrs.get("value")
+        if isinstance(value, dict):
+            value = value.get("value")
+    elif producer.type == "Constant":
+        value = producer.attrs.get("value", producer.attrs.get("value_float"))
+    else:
+        return None
+    if hasattr(value, "to_numpy"):  # an ONNX TensorProto kept by the frontend
+        value = value.to_numpy()
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _is_scalar(expected, what):
+    @constraint(f"{what} is the constant {expected:.8g}")
+    def check(tensor, match):
+        value = _scalar_value(tensor)
+        return value is not None and abs(value - expected) <= 1e-6 * abs(expected)
+
+    return check
+
+
+_SQRT2 = math.sqrt(2.0)
+
+
+@constraint("the erf argument is x / sqrt(2) (or x * 1/sqrt(2))")
+def _erf_scale(tensor, match):
+    value = _scalar_value(tensor)
+    expected = _SQRT2 if match["scaled"].type in ("Div", "RealDiv") else 1 / _SQRT2
+    return value is not None and abs(value - expected) <= 1e-6 * expected
+
+
+def _gelu_trees(core):
+    """The three ways ``0.5 * x * core(x)`` multiplies out (with Mul commutative, that is all of them).
+
+    Yields ``(suffix, fn)`` where ``fn(x, half, *rest)`` records the pattern;
+    ``core(x, *rest)`` records ``1 + erf(x / sqrt 2)`` (or its erfc spelling).
+    Where either operand may differ, the order is chosen for explanations: in
+    ``1 + erf`` the constant comes first (a Tanh in place of Erf is then the
+    failure reported), in ``-x * c`` the Neg (a wrong constant is reported).
+    """
+    def half_outside(x, half, c, *one):  # (x * core) * 0.5: torch.onnx (TorchScript)
+        return op.Mul(half, op.Mul(x, core(x, c, *one), name="mul"), name="gelu")
+
+    def x_outside(x, half, c, *one):  # x * (0.5 * core): torch.onnx (dynamo)
+        return op.Mul(x, op.Mul(half, core(x, c, *one), name="mul"), name="gelu")
+
+    def core_outside(x, half, c, *one):  # (0.5 * x) * core: TensorFlow, hand-written gelu
+        return op.Mul(op.Mul(half, x, name="mul"), core(x, c, *one), name="gelu")
+
+    return [("half_outside", half_outside), ("x_outside", x_outside), ("core_outside", core_outside)]
+
+
+def _with_one(tree):
+    def fn(x, half, c, one):  # the parameters name the wildcards
+        return tree(x, half, c, one)
+    return fn
+
+
+def _without_one(tree):
+    def fn(x, half, c):
+        return tree(x, half, c)
+    return fn
+
+
+def _gelu_erf_patterns(div_types, add_types, with_one, extra_constraints=None):
+    """Patterns of exact gelu spelled with elementary ops.
+
+    ``with_one``: ``0.5 * x * (1 + erf(x / sqrt 2))`` (div_types name the
+    division, add_types the addition); otherwise TensorFlow's
+    ``0.5 * x * erfc(-x * 1/sqrt 2)``.
+    """
+    def erf_core(x, c, one):
+        return op(add_types, one, op.Erf(op(div_types, x, c, name="scaled"), name="erf"), name="one_plus")
+
+    def erfc_core(x, c):
+        return op.Erfc(op.Mul(op.Neg(x, name="neg"), c, name="scaled"), name="erfc")
+
+    constraints = {"half": _is_scalar(0.5, "the factor"), "c": _erf_scale}
+    if with_one:
+        constraints["one"] = _is_scalar(1.0, "the addend")
+    constraints.update(extra_constraints or {})
+    commutative = ["Mul"] + add_types.split("|")
+    patterns = []
+    for suffix, tree in _gelu_trees(erf_core if with_one else erfc_core):
+        fn = _with_one(tree) if with_one else _without_one(tree)
+        patterns.append(pattern(fn, constraints=dict(constraints), commutative=commutative,
+                                name=f"gelu_{'erf' if with_one else 'erfc'}_{suffix}"))
+    return patterns
+
+
+# ---------------------------------------------------------------------------
+# gelu -> tanh approximation
+# ---------------------------------------------------------------------------
+
+# 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
+_TANH_SCALE = math.sqrt(2 / math.pi)
+_TANH_CUBIC = 0.044715
+
+
 @constraint("gelu is exact (approximate='none')")
 def _exact_gelu(g_op, match):
     approximate = g_op.attrs.get("kwargs", {}).get("approximate", _arg(g_op, 1, "none"))
@@ -318,28 +436,140 @@ def _torch_gelu_tanh(match):
     graph, gelu = match.graph, match["gelu"]
     x, base = match["x"], gelu.name
     cube = _aten(graph, "aten.pow.Tensor_Scalar", [x, 3], name=base + "_cube")
-    inner = _aten(graph, "aten.add.Tensor", [x, _aten(graph, "aten.mul.Scalar", [cube, 0.044715], name=base + "_c")],
+    inner = _aten(graph, "aten.add.Tensor", [x, _aten(graph, "aten.mul.Scalar", [cube, _TANH_CUBIC], name=base + "_c")],
                   name=base + "_inner")
-    tanh = _aten(graph, "aten.tanh.default", [_aten(graph, "aten.mul.Scalar", [inner, math.sqrt(2 / math.pi)],
+    tanh = _aten(graph, "aten.tanh.default", [_aten(graph, "aten.mul.Scalar", [inner, _TANH_SCALE],
                                                     name=base + "_scaled")], name=base + "_tanh")
     half = _aten(graph, "aten.mul.Scalar", [_aten(graph, "aten.add.Scalar", [tanh, 1.0], name=base + "_one_plus"), 0.5],
                  name=base + "_half")
     return [_aten(graph, "aten.mul.Tensor", [x, half], name=base + "_tanh_approx", like=gelu.outputs[0])]
 
 
-def gelu_tanh_rules(backend="pytorch"):
-    """Rules replacing exact ``gelu`` by its tanh approximation written out in
-    elementary ops: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``.
+def _tanh_gelu_ops(x, const, binary, tanh):
+    """Writes the tanh approximation with backend callbacks: ``const(value, suffix)``,
+    ``binary(type_key, a, b, suffix)`` (``"mul"``/``"add"``) and ``tanh(t, suffix)``."""
+    cube = binary("mul", x, binary("mul", x, x, "square"), "cube")
+    inner = binary("add", x, binary("mul", const(_TANH_CUBIC, "cubic_coef"), cube, "cubic"), "inner")
+    t = tanh(binary("mul", const(_TANH_SCALE, "sqrt_2_over_pi"), inner, "scaled"), "tanh")
+    one_plus = binary("add", const(1.0, "one"), t, "one_plus")
+    return binary("mul", binary("mul", const(0.5, "half"), x, "half_x"), one_plus, "output")
 
-    Args:
-        backend: ``"pytorch"`` (graph capture).
-    """
-    if backend != "pytorch":
-        raise RewriteError(f"gelu_tanh_rules: no rules for backend {backend!r} (pytorch)")
+
+def _tf_gelu_tanh(match):
+    graph, gelu, x = match.graph, match["gelu"], match["x"]
+    dtype = gelu.attrs.get("T", "float32")
+    base = f"{gelu.name}/tanh_approx"
+
+    def const(value, suffix):
+        made = graph.create_op("Const", [], attrs={"dtype": dtype, "value": {"dtype": dtype, "shape": [],
+                                                                             "value": value}},
+                               name=f"{base}/{suffix}")
+        made.outputs[0].attrs = {"dtype": dtype, "shape": []}
+        return made.outputs[0]
+
+    def binary(kind, a, b, suffix):
+        made = graph.create_op({"mul": "Mul", "add": "AddV2"}[kind], [a, b], attrs={"T": dtype},
+                               name=f"{base}/{suffix}")
+        return _like(made, x).outputs[0]
+
+    def tanh(t, suffix):
+        return _like(graph.create_op("Tanh", [t], attrs={"T": dtype}, name=f"{base}/{suffix}"), x).outputs[0]
+
+    return [_tanh_gelu_ops(x, const, binary, tanh)]
+
+
+def _onnx_gelu_tanh(match):
+    graph, gelu, x = match.graph, match["gelu"], match["x"]
+    base = f"{gelu.name}/tanh_approx"
+
+    def const(value, suffix):
+        return _onnx_constant(graph, f"{base}/{suffix}", value_float=value)
+
+    def binary(kind, a, b, suffix):
+        made = graph.create_op({"mul": "Mul", "add": "Add"}[kind], [a, b], name=f"{base}/{suffix}")
+        return _like(made, x).outputs[0]
+
+    def tanh(t, suffix):
+        return _like(graph.create_op("Tanh", [t], name=f"{base}/{suffix}"), x).outputs[0]
+
+    return [_tanh_gelu_ops(x, const, binary, tanh)]
+
+
+def _onnx_gelu_op_tanh(match):
+    """``Gelu(approximate='none')`` (opset 20) becomes ``Gelu(approximate='tanh')``."""
+    gelu = match["gelu"]
+    attrs = _onnx_attrs_of_new_op(gelu.attrs)
+    attrs["approximate"] = "tanh"
+    made = match.graph.create_op("Gelu", [match["x"]], attrs=attrs, name=f"{gelu.name}/tanh_approx")
+    return [_like(made, gelu.outputs[0]).outputs[0]]
+
+
+@constraint("Gelu is exact (approximate='none')")
+def _onnx_exact_gelu(g_op, match):
+    return g_op.attrs.get("approximate", "none") == "none"
+
+
+@constraint("x is float32 (the replacement's constants are float32)")
+def _float32(tensor, match):
+    return tensor.attrs.get("dtype") == "float32"
+
+
+def _gelu_tanh_pytorch():
     p = pattern(lambda x: op.gelu(x, name="gelu", extra_inputs=True), constraints={"gelu": _exact_gelu},
                 name="gelu_tanh")
     return [Rule(p, _torch_gelu_tanh)]
 
+
+def _gelu_tanh_tensorflow():
+    patterns = (_gelu_erf_patterns("RealDiv|Mul", "AddV2|Add", with_one=False)
+                + _gelu_erf_patterns("RealDiv|Mul", "AddV2|Add", with_one=True))
+    return [Rule(p, _tf_gelu_tanh, name="gelu_tanh") for p in patterns]
+
+
+def _gelu_tanh_onnx():
+    gelu_op = pattern(lambda x: op.Gelu(x, name="gelu"), constraints={"gelu": _onnx_exact_gelu}, name="gelu_op")
+    patterns = _gelu_erf_patterns("Div|Mul", "Add", with_one=True, extra_constraints={"x": _float32})
+    return [Rule(gelu_op, _onnx_gelu_op_tanh, name="gelu_tanh")] + [Rule(p, _onnx_gelu_tanh, name="gelu_tanh")
+                                                                    for p in patterns]
+
+
+_GELU_TANH = {"pytorch": _gelu_tanh_pytorch, "tensorflow": _gelu_tanh_tensorflow, "onnx": _gelu_tanh_onnx}
+
+
+def gelu_tanh_rules(backend="pytorch"):
+    """Rules replacing exact gelu by its tanh approximation
+    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``.
+
+    All rules are named ``"gelu_tanh"`` (so ``result.counts()`` sums them);
+    their patterns spell exact gelu the ways each backend writes it, and
+    `explain` takes the whole list to say why none matches.
+
+    Args:
+        backend: ``"pytorch"`` (graph capture: ``gelu`` with
+            ``approximate='none'``, replaced by ``pow``/``tanh``/``mul``/``add``
+            ops); ``"tensorflow"`` (GraphDef: ``tf.nn.gelu`` and Keras
+            ``activation="gelu"`` give ``0.5 * x * erfc(-x / sqrt 2)`` in
+            TF 2.21, older TensorFlow and hand-written models
+            ``0.5 * x * (1 + erf(x / sqrt 2))``; every association order of the
+            two products is matched, and the constants 0.5, 1 and sqrt 2 are
+            checked; replaced by ``Mul``/``AddV2``/``Tanh`` in the gelu's dtype);
+            ``"onnx"`` (``Gelu`` with ``approximate='none'`` at opset 20 becomes
+            ``Gelu`` with ``approximate='tanh'``; the ``Div``/``Erf``/``Add``/
+            ``Mul``/``Mul`` subgraph that torch.onnx writes below opset 20, in
+            the orders of both exporters, becomes ``Mul``/``Add``/``Tanh`` on
+            float32).
+
+    Returns:
+        A list of `Rule`.
+    """
+    if backend not in _GELU_TANH:
+        raise RewriteError(f"gelu_tanh_rules: no rules for backend {backend!r} ({', '.join(_GELU_TANH)})")
+    return _GELU_TANH[backend]()
+
+
+# ---------------------------------------------------------------------------
+# Fake-quant pair around every matrix product
+# ---------------------------------------------------------------------------
 
 _FAKE_QUANT = "aten.fake_quantize_per_tensor_affine.default"
 
@@ -349,30 +579,129 @@ def _not_fake_quantized(tensor, match):
     return tensor.producer is None or tensor.producer.attrs.get("target") != _FAKE_QUANT
 
 
-def fake_quant_matmul_rules(backend="pytorch", scale=1 / 64, zero_point=0, quant_min=-128, quant_max=127):
-    """Rules inserting a fake-quant pair (one per operand) around every matrix product.
+@constraint("operand is not fake-quantized yet")
+def _tf_not_fake_quantized(tensor, match):
+    return tensor.producer is None or tensor.producer.type != "FakeQuantWithMinMaxArgs"
 
-    ``matmul(a, b)`` and ``linear(a, b[, bias])`` read
-    ``fake_quantize_per_tensor_affine`` of both operands afterwards. The
-    constraint that an operand is not fake-quantized yet is what makes the
-    driver converge (a rewritten product does not match again).
 
-    Args:
-        backend: ``"pytorch"`` (graph capture).
-        scale, zero_point, quant_min, quant_max: the fake-quant parameters.
-    """
-    if backend != "pytorch":
-        raise RewriteError(f"fake_quant_matmul_rules: no rules for backend {backend!r} (pytorch)")
+@constraint("operand is not fake-quantized yet (not read from DequantizeLinear)")
+def _onnx_not_fake_quantized(tensor, match):
+    return tensor.producer is None or tensor.producer.type != "DequantizeLinear"
 
+
+@constraint("operand is float32")
+def _operand_float32(tensor, match):
+    return tensor.attrs.get("dtype") == "float32"
+
+
+def _requantized_product(match, quantize):
+    """A copy of ``match["product"]`` reading ``quantize(operand, i)`` of its first two inputs."""
+    graph, product = match.graph, match["product"]
+    quantized = [quantize(t, i) for i, t in enumerate(product.inputs[:2])]
+    attrs = _onnx_attrs_of_new_op(product.attrs) if "_onnx" in product.attrs else dict(product.attrs)
+    made = graph.create_op(product.type, quantized + list(product.inputs[2:]), attrs=attrs,
+                           name=product.name + "_quantized")
+    return [_like(made, product.outputs[0]).outputs[0]]
+
+
+def _fake_quant_pytorch(scale, zero_point, quant_min, quant_max):
     def fake_quantize(match):
-        graph, product = match.graph, match["product"]
-        quantized = [_aten(graph, _FAKE_QUANT, [t, scale, zero_point, quant_min, quant_max],
-                           name=f"{product.name}_fq{i}", like=t)
-                     for i, t in enumerate(product.inputs[:2])]
-        made = graph.create_op(product.type, quantized + list(product.inputs[2:]), attrs=dict(product.attrs),
-                               name=product.name + "_quantized")
-        return [_like(made, product.outputs[0]).outputs[0]]
+        return _requantized_product(match, lambda t, i: _aten(
+            match.graph, _FAKE_QUANT, [t, scale, zero_point, quant_min, quant_max],
+            name=f"{match['product'].name}_fq{i}", like=t))
 
     p = pattern(lambda a, b: op("matmul|linear", a, b, name="product", extra_inputs=True),
                 constraints={"a": _not_fake_quantized, "b": _not_fake_quantized}, name="fake_quant_matmul")
     return [Rule(p, fake_quantize)]
+
+
+_TF_PRODUCTS = "MatMul|BatchMatMul|BatchMatMulV2|BatchMatMulV3|Einsum"
+
+
+def _fake_quant_tensorflow(scale, zero_point, quant_min, quant_max):
+    levels = quant_max - quant_min + 1
+    num_bits = levels.bit_length() - 1
+    if levels != 1 << num_bits or not 2 <= num_bits <= 16:
+        raise RewriteError(f"fake_quant_matmul_rules('tensorflow'): quant_max - quant_min + 1 = {levels} is not "
+                           "a power of two between 4 and 65536 (FakeQuantWithMinMaxArgs has num_bits)")
+    attrs = {"min": float((quant_min - zero_point) * scale), "max": float((quant_max - zero_point) * scale),
+             "num_bits": num_bits, "narrow_range": False}
+
+    def fake_quantize(match):
+        def quantize(t, i):
+            made = match.graph.create_op("FakeQuantWithMinMaxArgs", [t], attrs=dict(attrs),
+                                         name=f"{match['product'].name}/fake_quant_{i}")
+            return _like(made, t).outputs[0]
+
+        return _requantized_product(match, quantize)
+
+    p = pattern(lambda a, b: op(_TF_PRODUCTS, a, b, name="product"),
+                constraints={"a": [_tf_not_fake_quantized, _operand_float32],
+                             "b": [_tf_not_fake_quantized, _operand_float32]}, name="fake_quant_matmul")
+    return [Rule(p, fake_quantize)]
+
+
+_QDQ_TYPES = {(-128, 127): ("int8", 3), (0, 255): ("uint8", 2)}  # dtype, TensorProto elem type
+
+
+def _fake_quant_onnx(scale, zero_point, quant_min, quant_max):
+    if (quant_min, quant_max) not in _QDQ_TYPES:
+        raise RewriteError(f"fake_quant_matmul_rules('onnx'): range [{quant_min}, {quant_max}] is neither int8 "
+                           "[-128, 127] nor uint8 [0, 255] (QuantizeLinear/DequantizeLinear)")
+    dtype, elem_type = _QDQ_TYPES[(quant_min, quant_max)]
+
+    def fake_quantize(match):
+        graph, base = match.graph, match["product"].name + "/fake_quant"
+        scale_t = _onnx_constant(graph, f"{base}/scale", value_float=scale)
+        zero = graph.create_op("Constant", [], attrs={"value_int": int(zero_point)}, name=f"{base}/zero_point_i64")
+        zero.outputs[0].attrs = {"dtype": "int64", "shape": []}
+        zero = graph.create_op("Cast", zero.outputs, attrs={"to": elem_type}, name=f"{base}/zero_point")
+        zero.outputs[0].attrs = {"dtype": dtype, "shape": []}
+
+        def quantize(t, i):
+            q = graph.create_op("QuantizeLinear", [t, scale_t, zero.outputs[0]], name=f"{base}/quantize_{i}")
+            q.outputs[0].attrs = {"dtype": dtype, "shape": t.attrs.get("shape")}
+            dq = graph.create_op("DequantizeLinear", [q.outputs[0], scale_t, zero.outputs[0]],
+                                 name=f"{base}/dequantize_{i}")
+            return _like(dq, t).outputs[0]
+
+        return _requantized_product(match, quantize)
+
+    operand = [_onnx_not_fake_quantized, _operand_float32]
+    p = pattern(lambda a, b: op("MatMul|Gemm", a, b, name="product", extra_inputs=True),
+                constraints={"a": operand, "b": operand}, name="fake_quant_matmul")
+    return [Rule(p, fake_quantize)]
+
+
+_FAKE_QUANT_RULES = {"pytorch": _fake_quant_pytorch, "tensorflow": _fake_quant_tensorflow, "onnx": _fake_quant_onnx}
+
+
+def fake_quant_matmul_rules(backend="pytorch", scale=1 / 64, zero_point=0, quant_min=-128, quant_max=127):
+    """Rules inserting a fake-quant pair (one per operand) around every matrix product.
+
+    Each operand of a product is quantized to ``clip(round(x / scale) +
+    zero_point, quant_min, quant_max)`` and back. The constraint that an
+    operand is not fake-quantized yet is what makes the driver converge (a
+    rewritten product does not match again). All rules are named
+    ``"fake_quant_matmul"``.
+
+    Args:
+        backend: ``"pytorch"`` (graph capture: ``matmul`` and ``linear`` read
+            ``fake_quantize_per_tensor_affine``); ``"tensorflow"`` (``MatMul``,
+            ``BatchMatMul[V2|V3]`` and two-operand ``Einsum`` on float32 read
+            ``FakeQuantWithMinMaxArgs`` with ``min = (quant_min - zero_point)
+            * scale``, ``max = (quant_max - zero_point) * scale``; TensorFlow
+            rounds half up and nudges the range so that zero is exact, which
+            changes nothing when ``scale`` is a power of two); ``"onnx"``
+            (the first two inputs of ``MatMul`` and ``Gemm`` on float32 go
+            through ``QuantizeLinear`` -> ``DequantizeLinear``, int8 or uint8
+            by the range; ONNX rounds half to even).
+        scale, zero_point, quant_min, quant_max: the fake-quant parameters.
+
+    Returns:
+        A list of `Rule`.
+    """
+    if backend not in _FAKE_QUANT_RULES:
+        raise RewriteError(f"fake_quant_matmul_rules: no rules for backend {backend!r} "
+                           f"({', '.join(_FAKE_QUANT_RULES)})")
+    return _FAKE_QUANT_RULES[backend](scale, zero_point, quant_min, quant_max)

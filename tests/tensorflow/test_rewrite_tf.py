@@ -136,3 +136,170 @@ def test_docs_page_examples_run():
 
     namespace = run_examples("docs/tools/rewrite.md")
     assert namespace["folded"].counts() == {"fold_batchnorm": 1}
+
+
+# ---------------------------------------------------------------------------
+# gelu -> tanh and fake-quant around every matmul on a Keras transformer block
+# ---------------------------------------------------------------------------
+
+_PRODUCT_TYPES = ("MatMul", "BatchMatMulV2", "Einsum")
+
+
+def numpy_tanh_gelu(x):
+    x = x.astype("float64")
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def numpy_fake_quant(x, scale):
+    """TensorFlow's FakeQuantWithMinMaxArgs with min = -128 * scale, max = 127 * scale (round half up)."""
+    return (np.floor(np.clip(x, -128 * scale, 127 * scale) / scale + 0.5) * scale).astype("float32")
+
+
+def numpy_product(op_, a, b):
+    """What a TF matrix-product op computes, in float64."""
+    a, b = a.astype("float64"), b.astype("float64")
+    if op_.type == "Einsum":
+        return np.einsum(op_.attrs["equation"], a, b)
+    ta = op_.attrs.get("transpose_a", op_.attrs.get("adj_x", False))
+    tb = op_.attrs.get("transpose_b", op_.attrs.get("adj_y", False))
+    return np.matmul(np.swapaxes(a, -1, -2) if ta else a, np.swapaxes(b, -1, -2) if tb else b)
+
+
+class TransformerBlock:
+    """A Keras transformer block (attention, layer norms, Dense with gelu) followed by a
+    hand-written erf gelu, as in older TensorFlow and TF ports of transformers models."""
+
+    def __init__(self):
+        import math
+
+        layers = tf.keras.layers
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.x = tf.compat.v1.placeholder(tf.float32, [2, 8, 16], name="x")
+            inputs = tf.keras.Input((8, 16))
+            attended = layers.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+            hidden = layers.LayerNormalization()(inputs + attended)
+            ff = layers.Dense(16)(layers.Dense(32, activation="gelu")(hidden))
+            block = tf.keras.Model(inputs, layers.LayerNormalization()(hidden + ff))
+            head = layers.Dense(16)
+            h = head(block(self.x))
+            self.y = tf.identity(h * (0.5 * (1.0 + tf.math.erf(h / math.sqrt(2.0)))), name="y")
+            self.init = tf.compat.v1.variables_initializer([w.value for w in block.weights + head.weights],
+                                                           name="init")
+        self.data = np.random.default_rng(0).normal(size=(2, 8, 16)).astype("float32")
+        self.ir = lift_graph(self.graph)
+
+    def run(self, graph_def, fetches, feeds=None):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(graph.get_operation_by_name(self.init.name))
+            return session.run(fetches, {self.x.name: self.data, **(feeds or {})})
+
+    def run_original_with(self, replace):
+        """The original graph's output with each matched op's output fed by ``replace(op, session values)``,
+        in graph order: an independent reference for a rewritten graph."""
+        graph_def = self.graph.as_graph_def()
+        feeds = {}
+        for anchor, inputs, compute in replace:
+            values = self.run(graph_def, inputs, feeds)
+            feeds[anchor] = compute(*values)
+        return self.run(graph_def, self.y.name, feeds)
+
+
+@pytest.fixture(scope="module")
+def block():
+    return TransformerBlock()
+
+
+def tf_name(tensor):
+    """The TensorFlow name of an IR tensor (tensors of ops a rewrite made have no TF name of their own)."""
+    return f"{tensor.producer.name}:{tensor.index}" if tensor.producer is not None else tensor.name
+
+
+def matches_of(rules, graph):
+    found = [m for rule in rules for m in rewrite.find_matches(rule.pattern, graph)]
+    return sorted(found, key=lambda m: graph.ops.index(m.anchor))
+
+
+def test_gelu_tanh_rewrite_tensorflow_transformer_block(block):
+    rules = rewrite.gelu_tanh_rules("tensorflow")
+    gelus = sum(o.type in ("Erf", "Erfc") for o in block.ir)
+    assert gelus == 2  # Keras's gelu (erfc) and the hand-written one (erf)
+    matches = matches_of(rules, block.ir)
+    result = rewrite.rewrite(block.ir, rules)
+    assert result.counts() == {"gelu_tanh": gelus} and len(matches) == gelus and result.converged
+    rewritten = result.graph
+    assert not any(o.type in ("Erf", "Erfc") for o in rewritten)
+    assert sum(o.type == "Tanh" for o in rewritten) == gelus
+    graph_def = lower_to_graph_def(rewritten, base=block.graph)
+
+    # every replacement computes the tanh formula on its own input
+    xs = [m["x"].name for m in matches]
+    outs = [f"{m.anchor.name}/tanh_approx/output:0" for m in matches]
+    *values, actual = block.run(graph_def, xs + outs + [block.y.name])
+    for x, out in zip(values[:gelus], values[gelus:]):
+        np.testing.assert_allclose(out, numpy_tanh_gelu(x), rtol=1e-5, atol=1e-6)
+    # and the model is the original with tanh gelus: feed NumPy tanh gelus into the original graph
+    expected = block.run_original_with([(m.anchor.outputs[0].name, [m["x"].name], numpy_tanh_gelu) for m in matches])
+    exact = block.run(block.graph.as_graph_def(), block.y.name)
+    assert np.abs(actual - expected).max() < 1e-5 * np.abs(expected).max()
+    assert np.abs(actual - expected).max() * 10 < np.abs(actual - exact).max()  # not the exact gelu any more
+
+
+def test_fake_quant_around_every_matmul_tensorflow_transformer_block(block):
+    scale = 1 / 64
+    rules = rewrite.fake_quant_matmul_rules("tensorflow", scale=scale)
+    products = [o for o in block.ir if o.type in _PRODUCT_TYPES]
+    # attention: 4 projections (BatchMatMulV2) and 2 einsums; 3 Dense layers (MatMul)
+    assert len(products) == 9
+    result = rewrite.rewrite(block.ir, rules)
+    assert result.counts() == {"fake_quant_matmul": len(products)} and result.converged
+    assert result.iterations == 2  # the second iteration finds every product quantized
+    rewritten = result.graph
+    quantized = [o for o in rewritten if o.type in _PRODUCT_TYPES]
+    assert len(quantized) == len(products)
+    assert all(t.producer.type == "FakeQuantWithMinMaxArgs" for o in quantized for t in o.inputs)
+    graph_def = lower_to_graph_def(rewritten, base=block.graph)
+
+    # each product reads the NumPy fake-quant of its operands
+    fetches = []
+    for o in quantized:
+        fq_a, fq_b = o.inputs[0].producer, o.inputs[1].producer
+        fetches += [tf_name(fq_a.inputs[0]), tf_name(fq_b.inputs[0]), tf_name(fq_a.outputs[0]),
+                    tf_name(fq_b.outputs[0]), tf_name(o.outputs[0])]
+    values = block.run(graph_def, fetches + [block.y.name])
+    actual = values.pop()
+    for i, o in enumerate(quantized):
+        a, b, qa, qb, out = values[5 * i:5 * i + 5]
+        assert np.array_equal(qa, numpy_fake_quant(a, scale)) and np.array_equal(qb, numpy_fake_quant(b, scale))
+        reference = numpy_product(o, qa, qb)
+        assert np.abs(out - reference).max() < 1e-5 * max(np.abs(reference).max(), 1)
+    # the whole model against the original graph fed with NumPy products of fake-quantized operands
+    replace = [(p.outputs[0].name, [p.inputs[0].name, p.inputs[1].name],
+                lambda a, b, p=p: numpy_product(p, numpy_fake_quant(a, scale), numpy_fake_quant(b, scale)))
+               for p in products]
+    expected = block.run_original_with(replace)
+    exact = block.run(block.graph.as_graph_def(), block.y.name)
+    assert np.abs(actual - expected).max() < 1e-4 * np.abs(expected).max()
+    assert np.abs(actual - expected).max() * 10 < np.abs(actual - exact).max()
+
+
+def test_explainer_says_why_the_tensorflow_gelu_pattern_does_not_match():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+        tf.nn.gelu(x, approximate=True, name="tanh_gelu")
+        tf.multiply(0.5 * x, tf.math.erfc(-x * 0.5), name="wrong_constant")
+    ir = lift_graph(graph)
+    rules = rewrite.gelu_tanh_rules("tensorflow")
+    assert rewrite.rewrite(ir, rules).counts() == {}
+    tanh = next(o for o in ir if o.type == "Tanh")
+    anchor = next(o for o in ir if o.type == "Mul" and o.name.startswith("tanh_gelu") and not o.users)
+    why = explain(rules, ir, at=anchor)  # the furthest of the rule set's patterns
+    assert not why and why.node == "erf" and why.target == tanh.name
+    assert "pattern node 'erf' (Erf) against 'tanh_gelu/Tanh': type is 'Tanh', expected 'Erf'" in str(why)
+    why = explain(rules, ir, at="wrong_constant")
+    assert why.node == "c" and "constraint 'the erf argument is x / sqrt(2)" in why.reason
+    assert explain(rules, ir).at in (anchor.name, "wrong_constant")  # without `at`: a gelu-like candidate
