@@ -152,3 +152,127 @@ def test_mlp_twin_gives_the_torch_masks(mlp_twins, theta):
     tool = assert_same_paths(net, twin, x, theta)
     linear = next(name for name, t in tool.paths[0].types.items() if t == "linear")
     assert tool.paths[0].synapses[linear].shape == (20, 12)   # (out, in), not Keras' (in, out)
+
+
+def test_the_users_graph_is_left_unchanged(cnn_twins):
+    _, twin = cnn_twins
+    before = [(op.name, op.type, [t.name for t in op.inputs]) for op in twin.graph.get_operations()]
+    version = twin.graph.version
+    x = np.random.default_rng(5).standard_normal((3, 10, 10, 2)).astype(np.float32)
+    plain = twin.session.run(twin.y, {twin.x: x})
+    tool = EffectivePathTool(theta=0.5, output=twin.y.op.name)   # by op name
+    np.testing.assert_array_equal(twin.run(x, tool), plain)      # observe-only routines
+    assert len(tool.paths) == 3
+    after = [(op.name, op.type, [t.name for t in op.inputs]) for op in twin.graph.get_operations()]
+    assert after == before and twin.graph.version == version
+
+
+# -- TF's own attributes against loops over neurons ------------------------------------
+
+def ref_select(contributions, theta):
+    from tests.test_effective_path import ref_select as select
+    return select(contributions, theta)
+
+
+def ref_dense(x, kernel, out_mask, theta):
+    """x (N, I), Keras kernel (I, O) -> critical inputs, synapses (N, O, I)."""
+    in_mask = np.zeros(x.shape, bool)
+    synapses = np.zeros((len(x), kernel.shape[1], kernel.shape[0]), bool)
+    for n, j in zip(*np.nonzero(out_mask)):
+        chosen = ref_select([float(x[n, i]) * float(kernel[i, j]) for i in range(len(kernel))],
+                            theta)
+        in_mask[n, chosen] = True
+        synapses[n, j, chosen] = True
+    return in_mask, synapses
+
+
+def same_padding(size, kernel, stride):
+    """TF's SAME padding before the first element (the rest goes after)."""
+    out = -(-size // stride)
+    return max((out - 1) * stride + kernel - size, 0) // 2
+
+
+def ref_conv_same(x, kernel, stride, out_mask, theta):
+    """NHWC x, HWIO kernel, SAME padding -> critical inputs, synapses (N, O, I, H, W)."""
+    n_, height, width, cin = x.shape
+    kh, kw, _, cout = kernel.shape
+    top, left = same_padding(height, kh, stride), same_padding(width, kw, stride)
+    in_mask = np.zeros(x.shape, bool)
+    synapses = np.zeros((n_, cout, cin, kh, kw), bool)
+    for n, oh, ow, co in zip(*np.nonzero(out_mask)):
+        taps, contributions = [], []
+        for ci in range(cin):
+            for a in range(kh):
+                for b in range(kw):
+                    ih, iw = oh * stride + a - top, ow * stride + b - left
+                    inside = 0 <= ih < height and 0 <= iw < width
+                    taps.append((ci, a, b, ih, iw))
+                    contributions.append(float(x[n, ih, iw, ci]) * float(kernel[a, b, ci, co])
+                                         if inside else 0.0)
+        for k in ref_select(contributions, theta):
+            ci, a, b, ih, iw = taps[k]
+            in_mask[n, ih, iw, ci] = True
+            synapses[n, co, ci, a, b] = True
+    return in_mask, synapses
+
+
+def ref_avg_pool_same(x, size, out_mask, theta):
+    """NHWC average pooling, SAME padding: padded elements are not counted."""
+    _, height, width, _ = x.shape
+    top, left = same_padding(height, size, size), same_padding(width, size, size)
+    in_mask = np.zeros(x.shape, bool)
+    for n, oh, ow, c in zip(*np.nonzero(out_mask)):
+        cells = [(ih, iw) for ih in range(oh * size - top, oh * size - top + size)
+                 for iw in range(ow * size - left, ow * size - left + size)
+                 if 0 <= ih < height and 0 <= iw < width]
+        for k in ref_select([float(x[n, ih, iw, c]) / len(cells) for ih, iw in cells], theta):
+            in_mask[(n,) + cells[k] + (c,)] = True
+    return in_mask
+
+
+@pytest.fixture(scope="module")
+def same_padding_net():
+    """Strided SAME convolution with asymmetric padding (10 -> 5: 0 before,
+    1 after), SAME average pooling whose last window is cut (5 -> 3)."""
+    twin = Twin(lambda: tf.keras.Sequential([
+        tf.keras.Input((10, 10, 2)), layers.Conv2D(3, 3, strides=2, padding="same"),
+        layers.ReLU(), layers.AveragePooling2D(2, padding="same"), layers.Flatten(),
+        layers.Dense(4)]), [2, 10, 10, 2], [])
+    yield twin
+    twin.session.close()
+
+
+@pytest.mark.parametrize("theta", (0.5, 1.0))
+def test_same_padding_and_average_pooling_match_loops(same_padding_net, theta):
+    twin = same_padding_net
+    x = np.random.default_rng(7).random((2, 10, 10, 2)).astype(np.float32)
+    tool = EffectivePathTool(theta=theta, output=twin.y)
+    twin.run(x, tool)
+    scope = twin.y.op.name.split("/")[0] + "/"
+    ops = {op.type: op for op in twin.graph.get_operations() if op.name.startswith(scope)
+           and (op.type != "Reshape" or "flatten" in op.name)}
+    conv, relu, pool, flat, matmul = (ops[t] for t in ("Conv2D", "Relu", "AvgPool", "Reshape",
+                                                        "MatMul"))
+    kernels = twin.session.run([w.value for w in twin.model.trainable_weights])
+    acts = twin.session.run([relu.outputs[0], pool.outputs[0], flat.outputs[0], twin.y],
+                            {twin.x: x})
+    relu_out, pool_out, flat_out, logits = acts
+    out = np.zeros(logits.shape, bool)
+    out[np.arange(len(x)), logits.argmax(1)] = True
+    flat_mask, dense_synapses = ref_dense(flat_out, kernels[2], out, theta)
+    pool_mask = flat_mask.reshape(pool_out.shape)
+    relu_mask = ref_avg_pool_same(relu_out, 2, pool_mask, theta)
+    pixels, conv_synapses = ref_conv_same(x, kernels[0], 2, relu_mask, theta)
+    chw = lambda m: np.transpose(m, (0, 3, 1, 2))   # noqa: E731
+    for n, path in enumerate(tool.paths):
+        assert path.unknown == []
+        np.testing.assert_array_equal(path.synapses[matmul.name], dense_synapses[n])
+        np.testing.assert_array_equal(path.neurons[flat.name], flat_mask[n])
+        np.testing.assert_array_equal(path.neurons[pool.name], chw(pool_mask)[n])
+        np.testing.assert_array_equal(path.neurons[relu.name], chw(relu_mask)[n])
+        np.testing.assert_array_equal(path.neurons[conv.name], chw(relu_mask)[n])
+        np.testing.assert_array_equal(path.synapses[conv.name], conv_synapses[n])
+        np.testing.assert_array_equal(path.inputs["x"], chw(pixels)[n])
+    # asymmetric padding (0 before, 1 after) and the pool's cut last windows are on the path
+    assert same_padding(10, 3, 2) == 0 and same_padding(5, 2, 2) == 0
+    assert (relu_mask[:, -1].any() or relu_mask[:, :, -1].any()) and pixels.sum() > 1
