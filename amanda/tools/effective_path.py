@@ -22,12 +22,20 @@ How it runs here:
   and outputs. When a step's graph is complete it walks that graph.
 * The walk, :func:`extract_paths`, knows no framework: it takes an IR graph,
   a function giving each IR tensor's value (NumPy) and one giving each op's
-  canonical type. Graph backends (ONNX, TensorFlow) reuse it given values.
+  canonical type. On graph backends (ONNX, TensorFlow ``Session.run``) the
+  same tool records the whole graph when it is rewritten and its routines
+  keep each run's values; the run computing the logits ends a step.
 * Per-op extraction rules live in :data:`RULES`, keyed by canonical type.
   Backend attributes (strides, pads...) are read into canonical parameters by
-  a per-namespace reader in :data:`PARAM_READERS`. An op on the path with no
-  rule is reported in :attr:`EffectivePath.unknown` (or raises with
+  a per-namespace reader in :data:`PARAM_READERS`; a reader may name the
+  backend's layouts (from :mod:`~amanda.tools.mapping_tables`: TF ``NHWC``
+  activations, ``HWIO`` and ``(in, out)`` weights), and the rule then sees
+  PyTorch's layouts (``NCHW``, ``OIHW``, ``(out, in)``). An op on the path
+  with no rule is reported in :attr:`EffectivePath.unknown` (or raises with
   ``strict=True``), never silently passed through.
+* Masks are reported in PyTorch's layouts on every backend (TF image tensors
+  transposed to ``CHW``); a flattened NHWC map keeps TF's ``HWC`` feature
+  order.
 
 Selection rule (exactly what :func:`select_contributions` computes): sort a
 neuron's contributions in descending order (ties: lower input index first);
@@ -37,8 +45,8 @@ float64; keep the shortest prefix whose running sum reaches
 Contributions: ``activation x weight`` for ``linear`` and ``conv2d`` (bias
 excluded, zero padding contributes nothing), ``activation / divisor`` for
 average pooling; ``max_pool2d`` keeps the first maximal input of the window;
-``add`` keeps both branches; element-wise activations, normalisations and
-reshapes pass critical neurons through.
+``add`` keeps both branches; element-wise activations, normalisations,
+TF's ``BiasAdd`` and reshapes pass critical neurons through.
 """
 
 from __future__ import annotations
@@ -56,9 +64,9 @@ from amanda.tools.graph import GraphTracingTool, module_path
 from amanda.tools.mapping import MappingTool
 
 __all__ = [
+    "INPUT_TYPES",
     "PARAM_READERS",
     "PASS_THROUGH_TYPES",
-    "INPUT_TYPES",
     "RESHAPE_TYPES",
     "RULES",
     "WEIGHT_SOURCE_TYPES",
@@ -780,16 +788,22 @@ def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
 class EffectivePathTool(amanda.Tool):
     """Extract effective paths of the samples run under ``amanda.apply``.
 
-    Every step (a root module call in PyTorch eager) adds one
+    Every step (a root module call in PyTorch eager; an ONNX or TensorFlow
+    ``Session.run`` that computes the logits) adds one
     :class:`EffectivePath` per sample to :attr:`paths`. A step's values are
     kept when its graph is complete (at the next step or when the ``apply``
-    scope exits) and walked when :attr:`paths` is read.
+    scope exits; on graph backends when the logits are computed) and walked
+    when :attr:`paths` is read.
 
     Args:
         theta: the threshold, in ``(0, 1]``.
         output: which op's first output holds the logits: None for the last
-            forward op of the step, a module path (the last op run by that
-            module), or a predicate ``f(ir_op) -> bool`` (the last matching op).
+            forward op of the step (of a whole graph: the last forward op
+            whose output is statically ``(batch, classes)``), a module path
+            (the last op run by that module) or an op or tensor name
+            (``"dense/BiasAdd:0"``), an object with ``op.name`` (a
+            ``tf.Tensor``), or a predicate ``f(ir_op) -> bool`` (the last
+            matching op).
         strict: raise on ops without a rule instead of reporting them.
 
     Attributes:

@@ -2,7 +2,15 @@
 Keras twins of the MLP and the small CNN of tests/test_effective_path.py,
 with the torch weights copied in, give the same neuron, synapse and input
 masks as the torch models, through the same rule table (TF's NHWC
-activations and HWIO/IO weights are moved to the canonical layouts)."""
+activations and HWIO/IO weights are moved to the canonical layouts).
+
+Equality is exact. The two backends' activations differ in the last bits
+(TF and PyTorch sum convolutions in other orders; the logits agree to 1e-5),
+and a selection is decided on float64 sums of those float32 values, so a
+decision could only flip at a near-tie within rounding; the fixed inputs
+here meet none, and a wrong layout or padding changes many masks."""
+
+import itertools
 
 import numpy as np
 import pytest
@@ -10,10 +18,10 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-import amanda  # noqa: E402
-from amanda.errors import ToolError  # noqa: E402
-from amanda.tools.effective_path import EffectivePathTool  # noqa: E402
-from tests.test_effective_path import extract, mlp, small_cnn  # noqa: E402
+import amanda
+from amanda.errors import ToolError
+from amanda.tools.effective_path import EffectivePathTool
+from tests.test_effective_path import extract, mlp, small_cnn
 
 THETAS = (0.3, 0.5, 1.0)
 layers = tf.keras.layers
@@ -126,7 +134,7 @@ def assert_same_paths(net, twin, x, theta, flatten_chw=None):
         assert len(theirs.synapses) == len(mine.synapses)
         # a BiasAdd passes its neurons through: the same mask as its MatMul/Conv2D
         names = list(theirs.types)
-        for before, name in zip(names, names[1:]):
+        for before, name in itertools.pairwise(names):
             if theirs.types[name] == "bias_add":
                 np.testing.assert_array_equal(theirs.neurons[name], theirs.neurons[before])
         (pixels,) = mine.inputs.values()
@@ -263,7 +271,7 @@ def test_same_padding_and_average_pooling_match_loops(same_padding_net, theta):
     pool_mask = flat_mask.reshape(pool_out.shape)
     relu_mask = ref_avg_pool_same(relu_out, 2, pool_mask, theta)
     pixels, conv_synapses = ref_conv_same(x, kernels[0], 2, relu_mask, theta)
-    chw = lambda m: np.transpose(m, (0, 3, 1, 2))   # noqa: E731
+    chw = lambda m: np.transpose(m, (0, 3, 1, 2))
     for n, path in enumerate(tool.paths):
         assert path.unknown == []
         np.testing.assert_array_equal(path.synapses[matmul.name], dense_synapses[n])
@@ -276,3 +284,82 @@ def test_same_padding_and_average_pooling_match_loops(same_padding_net, theta):
     # asymmetric padding (0 before, 1 after) and the pool's cut last windows are on the path
     assert same_padding(10, 3, 2) == 0 and same_padding(5, 2, 2) == 0
     assert (relu_mask[:, -1].any() or relu_mask[:, :, -1].any()) and pixels.sum() > 1
+
+
+# -- plain TF ops: unknown ops, variables read on the path ------------------------------
+
+@pytest.fixture(scope="module")
+def raw_graph():
+    """``x @ w1 + b1`` (an ``AddV2`` reading a variable), a ``Cumsum`` (no
+    rule), ``@ w2``: written with TF ops, no Keras."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [3, 4], name="x")
+        rng = np.random.default_rng(0)
+        w1 = tf.Variable(rng.standard_normal((4, 6)).astype(np.float32), name="w1")
+        b1 = tf.Variable(rng.standard_normal(6).astype(np.float32), name="b1")
+        w2 = tf.Variable(rng.standard_normal((6, 3)).astype(np.float32), name="w2")
+        hidden = tf.nn.relu(tf.matmul(x, w1) + b1)
+        y = tf.matmul(tf.math.cumsum(hidden, axis=1, name="odd"), w2, name="logits")
+        plain = tf.matmul(hidden, w2, name="plain_logits")
+        init = tf.compat.v1.global_variables_initializer()
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(init)
+    yield session, x, y, plain
+    session.close()
+
+
+def test_unknown_tf_ops_are_reported_or_raise(raw_graph):
+    session, x, y, plain = raw_graph
+    inputs = {x: np.random.default_rng(1).random((3, 4), np.float32)}
+    tool = EffectivePathTool(theta=0.5, output=y)
+    with amanda.apply(tool):
+        session.run(y, inputs)
+    with pytest.warns(UserWarning, match="cumsum"):
+        path = tool.paths[0]
+    assert path.unknown == [("odd", "cumsum")] and tool.unknown["cumsum"] == 1
+    assert list(path.types.values()) == ["cumsum", "linear"]   # the walk stops there
+    strict = EffectivePathTool(theta=0.5, output="logits:0", strict=True)   # a tensor name
+    with amanda.apply(strict):
+        session.run(y, inputs)
+    with pytest.raises(ToolError, match="no extraction rule for op type 'cumsum'") as error:
+        _ = strict.paths
+    assert "odd" in str(error.value)
+    # without the odd op the walk crosses the add into both operands; the
+    # bias is a variable read, a weight: no unknown op, not a neuron
+    clean = EffectivePathTool(theta=1.0, output=plain)
+    with amanda.apply(clean):
+        session.run(plain, inputs)
+    path = clean.paths[0]
+    assert path.unknown == []
+    assert list(path.types.values()) == ["linear", "add", "relu", "linear"]
+    assert path.inputs["x"].shape == (4,) and path.inputs["x"].any()
+
+
+def test_runs_add_paths_and_class_paths(mlp_twins):
+    net, twin = mlp_twins
+    rng = np.random.default_rng(3)
+    tool = EffectivePathTool(theta=0.5)   # default output: the last (batch, classes) op
+    batches = [rng.standard_normal((4, 12)).astype(np.float32) for _ in range(3)]
+    with amanda.apply(tool):
+        for batch in batches:
+            twin.session.run(twin.y, {twin.x: batch})
+    labels = np.concatenate([net(torch.from_numpy(b)).argmax(1).numpy() for b in batches])
+    assert [p.label for p in tool.paths] == labels.tolist()
+    profile = tool.class_paths()
+    assert sum(p.count for p in profile.values()) == 12
+    for path in tool.paths:   # a sample's path lies inside its class path
+        assert path.similarity(profile[path.label]) == 1.0
+
+
+def test_docs_tensorflow_example_runs():
+    import contextlib
+    import io
+
+    from tests.markdown import examples
+    page = "docs/tools/effective-path.md"
+    (code, expected), = [e for e in examples(page) if "tf.compat.v1" in e[0]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, page, "exec"), {"__name__": "__docs__"})  # noqa: S102 (the docs example)
+    assert expected is not None and out.getvalue() == expected
