@@ -471,7 +471,8 @@ def _tf_pool_params(canonical):
 
 def _tf_linear_params(op, values):
     if op.attrs.get("transpose_a") or np.ndim(values[0]) != 2:
-        raise ToolError("effective path: MatMul with transpose_a is not supported",
+        raise ToolError("effective path: MatMul with transpose_a or a non-matrix input "
+                        "is not supported",
                         op_name=op.name, namespace=op.namespace)
     layouts = _tf_spec_layouts(op, "linear")
     if op.attrs.get("transpose_b"):
