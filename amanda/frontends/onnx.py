@@ -27,8 +27,10 @@ The result is an :class:`amanda.ir.Graph` in namespace
 * **Tensors** carry ``dtype`` (``"float32"``...; None for non-tensor types),
   ``shape`` (ints, None for unknown or symbolic dims; None for unknown rank)
   and ``onnx_type`` (a `ProtoAttr` of the ``TypeProto``, for an exact round
-  trip) from the model's inputs, outputs and value infos; when some are
-  missing, ``onnx.shape_inference`` fills them in. Tensors declared in the
+  trip) from the model's inputs, outputs and value infos (an initializer's
+  from its dims); when some are missing, ``onnx.shape_inference`` (with data
+  propagation) fills them in. Inferred types are never written back: a
+  lowered model has the value infos the original declared. Tensors declared in the
   model's ``value_info`` get ``attrs["value_info"] = True``.
 * **Absent optional values** (the empty name ``""``) read one graph input
   named ``"amanda.absent"`` with ``attrs["absent"] = True``; absent outputs get
@@ -223,14 +225,22 @@ def _value_types(model):
     produced = set()
     _collect_outputs(model.graph, produced)
     if not produced <= set(declared):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, check_type=False,
-                                                         strict_mode=False, data_prop=False)
+        # data propagation computes shapes that are values (Shape -> Concat ->
+        # Reshape, as exporters write); if it fails, plain inference may not
+        inferred = _inferred(onnx, model, True) or _inferred(onnx, model, False)
+        if inferred is not None:
             for name, value in _collect_types(inferred.graph).items():
                 declared.setdefault(name, value)
-        except Exception:   # an unknown op or a model too large: types stay unknown
-            pass
     return declared
+
+
+def _inferred(onnx, model, data_prop):
+    """``onnx.shape_inference.infer_shapes(model)``, or None where it fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                 data_prop=data_prop)
+    except Exception:  # noqa: BLE001 - an unknown op, a model too large: types stay unknown
+        return None
 
 
 def _collect_types(graph):
@@ -269,8 +279,12 @@ def tensor_attrs(type_proto):
 
 
 def _initializer_attrs(tensor):
+    # the type is kept for the symbols tools see (a weight's shape); lowering
+    # writes an initializer without a ValueInfo unless it is a declared input
+    onnx_type = _onnx().helper.make_tensor_type_proto(tensor.data_type,
+                                                      [int(d) for d in tensor.dims])
     return {"dtype": dtype_name(tensor.data_type), "shape": [int(d) for d in tensor.dims],
-            "initializer": ProtoAttr(tensor)}
+            "onnx_type": ProtoAttr(onnx_type), "initializer": ProtoAttr(tensor)}
 
 
 def _node_label(node, index):

@@ -6,9 +6,13 @@ types (``context["type"]``) and works on PyTorch (eager) and TensorFlow
 (``tf.compat.v1`` graphs) alike. Its forward analysis routine (registered with
 ``require_outputs=True``) computes the op's FLOPs once, from the shapes of
 ``context.get_inputs()`` / ``get_outputs()`` (PyTorch tensors, or TF symbolic
-tensors with static shapes), and inserts an observe-only instrumentation
-routine that adds them each time the op executes: counts are per execution,
-with amanda's analysis cache on.
+tensors with static shapes, or the ``onnx.ValueInfoProto`` symbols of an ONNX
+model, whose shapes the ONNX frontend infers when the model does not declare
+them), and inserts an observe-only instrumentation routine that adds them each
+time the op executes: counts are per execution, with amanda's analysis cache
+on. On ONNX, an op whose shapes are not static (a symbolic batch dimension
+``N``) is counted at run time instead, from the shapes of the NumPy arrays its
+routines receive.
 
 Conventions (see docs/tools/flops.md):
 
@@ -21,7 +25,8 @@ Conventions (see docs/tools/flops.md):
   ``ConvolutionBackward0`` / ``AddmmBackward0`` / ``MmBackward0`` /
   ``BmmBackward0`` node gets 2x forward; in TF ``Conv2DBackpropInput`` and
   ``Conv2DBackpropFilter`` (and the two gradient ``MatMul`` ops) get 1x each.
-  Other backward ops are not counted.
+  Other backward ops are not counted. ONNX models are inference graphs:
+  forward only.
 * op types without a formula are counted in :attr:`FlopsProfiler.unknown`
   (type -> executions), never silently as zero; ops without arithmetic
   (views, reshapes, copies, lookups) are in :data:`ZERO_FLOP_TYPES`.
@@ -36,12 +41,13 @@ import amanda
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["FlopsProfiler", "FORMULAS", "ZERO_FLOP_TYPES", "MATMUL_TYPES", "CONV_TYPES",
-           "BACKWARD_TYPES"]
+__all__ = ["BACKWARD_TYPES", "CONV_TYPES", "FORMULAS", "MATMUL_TYPES", "ZERO_FLOP_TYPES",
+           "FlopsProfiler"]
 
 #: Convolutions: 2 * output elements * (Cin / groups * kernel area).
 CONV_TYPES = frozenset({"conv1d", "conv2d", "conv3d", "depthwise_conv2d", "convolution",
-                        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+                        "conv_transpose", "conv_transpose1d", "conv_transpose2d",
+                        "conv_transpose3d"})
 #: Matrix products: 2 * output elements * contracted dimension.
 MATMUL_TYPES = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
                           "batch_mat_mul", "einsum_matmul"})
@@ -58,13 +64,17 @@ ELEMENTWISE_TYPES = frozenset({
     "bias_add", "add_v2", "sign", "floor", "ceil", "round", "dropout_train", "select_v2",
     "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "logical_and",
     "logical_or", "logical_not", "gelu_tanh", "le", "lt", "ge", "gt", "eq", "ne",
+    # ONNX spellings (Sum/Max/Min/Mean of n inputs: see _elementwise)
+    "clip", "prelu", "hard_sigmoid", "hard_swish", "thresholded_relu", "softsign", "mish",
+    "celu", "greater_or_equal", "less_or_equal", "not", "and", "or", "xor", "sin", "cos",
+    "mod", "average",
 })
 #: Reductions and pooling: 1 FLOP per input element.
 REDUCTION_TYPES = frozenset({
     "sum", "mean", "max", "min", "prod", "amax", "amin", "cumsum", "argmax", "argmin",
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool",
-    "avg_pool", "norm",
+    "avg_pool", "norm", "global_avg_pool2d", "global_max_pool",
 })
 #: Normalisations: 5 FLOPs per element (statistics, normalise, affine).
 NORM_TYPES = frozenset({"layer_norm", "batch_norm", "group_norm", "instance_norm",
@@ -87,10 +97,12 @@ ZERO_FLOP_TYPES = frozenset({
     # TensorFlow
     "shape", "read_variable_op", "var_handle_op", "variable_v2", "const", "placeholder",
     "no_op", "cast", "concat_v2", "strided_slice", "slice", "expand_dims", "pack", "unpack",
-    "squeeze", "gather_v2", "resource_gather", "fill", "range", "zeros_like", "ones_like",
-    "identity_n", "stop_gradient", "prevent_gradient", "pad_v2", "mirror_pad", "tile",
-    "broadcast_to", "size", "rank", "split_v", "assign_variable_op", "shape_n",
-    "broadcast_args", "broadcast_gradient_args", "transpose", "reshape", "check_numerics",
+    "gather_v2", "resource_gather", "fill", "range", "identity_n", "stop_gradient", "prevent_gradient", "pad_v2", "mirror_pad", "tile",
+    "broadcast_to", "rank", "split_v", "assign_variable_op", "shape_n",
+    "broadcast_args", "broadcast_gradient_args", "check_numerics",
+    # ONNX (Gather of an initializer is "embedding", other Gathers "gather")
+    "constant", "constant_of_shape", "concat", "cast_like", "gather_elements", "gather_nd",
+    "depth_to_space", "space_to_depth", "non_zero", "trilu", "optional",
 })
 
 
@@ -102,7 +114,7 @@ def _shape(tensor):
     """A tensor's fully known shape as a tuple of ints, or None."""
     shape = getattr(tensor, "shape", None)
     if shape is None:
-        return None
+        return _onnx_shape(tensor)
     try:
         dims = tuple(shape)
     except TypeError:  # a TF TensorShape of unknown rank
@@ -114,6 +126,28 @@ def _shape(tensor):
             return None
         result.append(int(d))
     return tuple(result)
+
+
+def _onnx_shape(value):
+    """The static shape of an ``onnx.ValueInfoProto`` (duck-typed: ``onnx`` is
+    not imported), or None when its rank or a dimension is unknown or symbolic."""
+    tensor_type = getattr(getattr(value, "type", None), "tensor_type", None)
+    if tensor_type is None or not value.type.HasField("tensor_type") \
+            or not tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for d in tensor_type.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        dims.append(int(d.dim_value))
+    return tuple(dims)
+
+
+def _onnx_attr(node, name, default=0):
+    for attr in getattr(node, "attribute", ()):
+        if attr.name == name:
+            return attr.i
+    return default
 
 
 def _attr(op, name, default=False):
@@ -128,20 +162,25 @@ def _attr(op, name, default=False):
         return default
 
 
-def _conv(op_type, ins, out, op, tf):
+def _conv(op_type, ins, out, op, backend):
     weight = ins[1]
     if op_type.startswith("conv_transpose"):
         # weight (Cin, Cout/groups, k...): each input element feeds Cout/g*k outputs
         return 2 * _numel(ins[0]) * _numel(weight[1:])
-    if tf:
+    if backend == "tensorflow":
         if op_type == "depthwise_conv2d":  # filter (KH, KW, Cin, multiplier)
             return 2 * _numel(out) * _numel(weight[:2])
         return 2 * _numel(out) * _numel(weight[:-1])  # filter HWIO: KH*KW*Cin
-    return 2 * _numel(out) * _numel(weight[1:])  # weight (Cout, Cin/g, k...)
+    return 2 * _numel(out) * _numel(weight[1:])  # weight (Cout, Cin/g, k...) (also ONNX)
 
 
-def _matmul(op_type, ins, out, op, tf):
-    if tf:
+def _matmul(op_type, ins, out, op, backend):
+    if backend == "onnx":
+        a = ins[0]
+        if getattr(op, "op_type", None) == "Gemm":  # A (M, K), or (K, M) with transA
+            return 2 * _numel(out) * (a[0] if _onnx_attr(op, "transA") else a[1])
+        return 2 * _numel(out) * a[-1]  # MatMul: numpy semantics, K = A's last dim
+    if backend == "tensorflow":
         a = ins[0]
         if op.type == "MatMul":
             k = a[0] if _attr(op, "transpose_a") else a[1]
@@ -154,27 +193,30 @@ def _matmul(op_type, ins, out, op, tf):
     return 2 * _numel(out) * a[-1]
 
 
-def _sdpa(op_type, ins, out, op, tf):
+def _sdpa(op_type, ins, out, op, backend):
     # the two matrix products q @ k^T and p @ v, as FlopCounterMode counts
     q, k, v = ins[:3]
     rows = _numel(q[:-1])
     return 2 * rows * k[-2] * q[-1] + 2 * rows * k[-2] * v[-1]
 
 
-def _per_output(factor):
-    return lambda op_type, ins, out, op, tf: factor * _numel(out)
+def _elementwise(op_type, ins, out, op, backend):
+    # ONNX Sum/Max/Min of n inputs: n - 1 binary ops per output element; Mean one more
+    extra = max(len(ins) - 2, 0) if backend == "onnx" else 0
+    return (1 + extra + (op_type == "average")) * _numel(out)
 
 
 def _per_input(factor):
-    return lambda op_type, ins, out, op, tf: factor * _numel(ins[0])
+    return lambda op_type, ins, out, op, backend: factor * _numel(ins[0])
 
 
-#: Canonical type -> formula(type, input shapes, first output shape, op, is_tf).
+#: Canonical type -> formula(type, input shapes, first output shape, op, backend),
+#: backend being "pytorch", "tensorflow" or "onnx"; a shape is a tuple of ints.
 FORMULAS = {}
 FORMULAS.update({t: _conv for t in CONV_TYPES})
 FORMULAS.update({t: _matmul for t in MATMUL_TYPES})
 FORMULAS["scaled_dot_product_attention"] = _sdpa
-FORMULAS.update({t: _per_output(1) for t in ELEMENTWISE_TYPES})
+FORMULAS.update({t: _elementwise for t in ELEMENTWISE_TYPES})
 FORMULAS.update({t: _per_input(1) for t in REDUCTION_TYPES})
 FORMULAS.update({t: _per_input(5) for t in NORM_TYPES})
 FORMULAS.update({t: _per_input(3) for t in SOFTMAX_TYPES})
@@ -184,6 +226,15 @@ _TF_ALIASES = {"batch_mat_mul_v2": "matmul", "batch_mat_mul_v3": "matmul",
                "fused_batch_norm": "batch_norm", "fused_batch_norm_v2": "batch_norm",
                "add_v2": "add", "real_div": "div", "max_pool2d": "max_pool2d",
                "conv2_d": "conv2d", "identity": "identity"}
+
+# ONNX op types whose snake-case name means something else in the table: the
+# variadic element-wise Sum/Max/Min/Mean, the Reduce* ops, the normalisations.
+_ONNX_ALIASES = {"sum": "add", "max": "maximum", "min": "minimum", "mean": "average",
+                 "reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max",
+                 "reduce_min": "min", "reduce_prod": "prod", "reduce_l2": "norm",
+                 "arg_max": "argmax", "arg_min": "argmin",
+                 "instance_normalization": "instance_norm",
+                 "group_normalization": "group_norm"}
 
 # Backward ops that compute the gradients of a convolution / matrix product,
 # and how many forward-FLOPs each is charged.
@@ -197,13 +248,66 @@ _TF_BACKWARD = {"Conv2DBackpropInput": 1, "Conv2DBackpropFilter": 1,
                 "MatMul": 1, "BatchMatMul": 1, "BatchMatMulV2": 1, "BatchMatMulV3": 1}
 
 
-def normalise_type(op_type):
+def normalise_type(op_type, backend=None):
     """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF
-    aliases onto the formula table's names."""
+    and ONNX aliases onto the formula table's names."""
     if op_type is None:
         return None
+    if backend == "onnx":
+        return _ONNX_ALIASES.get(op_type, op_type)
     name = op_type.strip("_")
     return _TF_ALIASES.get(name, name)
+
+
+#: ONNX element types a hosted routine can receive (float16/bfloat16 cannot).
+_ONNX_HOSTED = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13})
+
+
+def _backend(namespace):
+    return namespace.split("/", 1)[0]
+
+
+def _needed_inputs(formula, op_type, backend):
+    """How many leading inputs the formula reads the shapes of."""
+    if formula in (_conv, _matmul):
+        return 3 if op_type in ("addmm", "baddbmm") and backend == "pytorch" else 2
+    if formula is _sdpa:
+        return 3
+    if formula is _elementwise:
+        return 0
+    return 1
+
+
+def _onnx_module(node_name):
+    """The module path a PyTorch exporter encoded in a node's name, or None.
+
+    ``"/encoder/stages.0/layer/layer.1/conv/Conv"`` -> ``"encoder.stages.0.layer.1.conv"``:
+    the last segment is the op, and a called container's segment (``layer``)
+    is followed by its child's as ``layer.1``, which replaces it.
+    """
+    segments = [s for s in node_name.split("/") if s][:-1]
+    if not segments:
+        return None
+    path = []
+    for segment in segments:
+        if path and segment.startswith(path[-1] + "."):
+            path[-1] = segment
+        else:
+            path.append(segment)
+    return ".".join(path)
+
+
+def _apply(formula, op_type, ins, out, op, backend):
+    """The formula's FLOPs, or None when a shape it needs is unknown."""
+    if out is None:
+        return None
+    needed = _needed_inputs(formula, op_type, backend)
+    if len(ins) < needed or any(s is None for s in ins[:needed]):
+        return None
+    try:
+        return int(formula(op_type, ins, out, op, backend))
+    except (IndexError, TypeError):
+        return None
 
 
 class FlopsProfiler(amanda.Tool):
@@ -215,8 +319,10 @@ class FlopsProfiler(amanda.Tool):
 
     Attributes:
         unknown: ``Counter`` of op types without a formula -> executions.
-        records: op id -> dict(name, type, module, flops, calls) for every
-            forward op with a nonzero count.
+        records: (namespace, op id) -> dict(name, type, module, flops, calls)
+            for every forward op with a nonzero count. For an ONNX op counted
+            at run time (shapes not static), ``flops`` is that of its latest
+            execution and ``dynamic`` is True.
     """
 
     def __init__(self, backward=True):
@@ -226,23 +332,28 @@ class FlopsProfiler(amanda.Tool):
         self.records = {}
         self._flops = {"forward": defaultdict(int), "backward": defaultdict(int)}
         self._by_module = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        self._dynamic = {}    # key -> (formula, type, module, op, input count)
+        self._pending = {}    # key -> input shapes stashed before the op ran
         self.add_inst_for_op(self.forward_analysis, require_outputs=True)
         if backward:
             self.add_inst_for_op(self.backward_analysis, backward=True)
 
     # -- analysis ------------------------------------------------------------
     def forward_analysis(self, context):
-        op_type = normalise_type(context.get("type"))
+        backend = _backend(context.namespace)
+        op_type = normalise_type(context.get("type"), backend)
         if op_type is None:
-            op_type = normalise_type(context.get_op_name())
-        tf = context.namespace.startswith("tensorflow")
-        module = self._module(context, tf)
+            op_type = normalise_type(context.get_op_name(), backend)
+        module = self._module(context, backend)
         if op_type in ZERO_FLOP_TYPES:
             return
         formula = FORMULAS.get(op_type)
         flops = None
         if formula is not None:
-            flops = self._compute(formula, op_type, context, tf)
+            flops = self._compute(formula, op_type, context, backend)
+            if flops is None and backend == "onnx" \
+                    and self._count_at_run_time(context, formula, op_type, module):
+                return
         if flops is None:
             label = op_type if formula is None else f"{op_type} (shape unknown)"
             context.insert_after_op(self._count_unknown, outputs=[], label=label)
@@ -275,33 +386,40 @@ class FlopsProfiler(amanda.Tool):
                                              flops=factor * flops)
 
     @staticmethod
-    def _module(context, tf):
-        if tf:
+    def _module(context, backend):
+        if backend == "tensorflow":
             op = context.get_op()
             name = getattr(op, "name", "") or ""
             return name.rsplit("/", 1)[0] if "/" in name else ""
+        if backend == "onnx":
+            return _onnx_module(getattr(context.get_op(), "name", "") or "")
         return context.get_module_path()
 
     @staticmethod
-    def _compute(formula, op_type, context, tf):
+    def _compute(formula, op_type, context, backend):
         ins = [_shape(t) for t in context.get_inputs()]
         outs = [_shape(t) for t in context.get_outputs()]
-        if not outs or outs[0] is None:
-            return None
-        if formula in (_conv, _matmul):
-            needed = 3 if op_type in ("addmm", "baddbmm") and not tf else 2
-        elif formula is _sdpa:
-            needed = 3
-        elif op_type in ELEMENTWISE_TYPES:
-            needed = 0
-        else:
-            needed = 1
-        if len(ins) < needed or any(s is None for s in ins[:needed]):
-            return None
-        try:
-            return int(formula(op_type, ins, outs[0], context.get_op(), tf))
-        except (IndexError, TypeError):
-            return None
+        return _apply(formula, op_type, ins, outs[0] if outs else None, context.get_op(),
+                      backend)
+
+    def _count_at_run_time(self, context, formula, op_type, module):
+        """ONNX ops whose shapes are not static: routines receive the arrays
+        the formula needs and count from their shapes. False when a needed
+        tensor cannot be handed to a Python routine (float16, unknown type)."""
+        inputs, outputs = context.get_inputs(), context.get_outputs()
+        needed = _needed_inputs(formula, op_type, "onnx")
+        values = list(inputs[:needed]) + list(outputs[:1])
+        if len(inputs) < needed or not outputs or any(
+                v is None or v.type.tensor_type.elem_type not in _ONNX_HOSTED for v in values):
+            return False
+        key = (context.namespace, context.get_op_id())
+        self._dynamic[key] = (formula, op_type, module, context.get_op(), len(inputs))
+        self.records[key] = {"name": context.get_op_name(), "type": op_type, "module": module,
+                             "flops": None, "calls": 0, "dynamic": True}
+        if needed:
+            context.insert_before_op(self._stash_shapes, inputs=list(range(needed)), key=key)
+        context.insert_after_op(self._count_dynamic, outputs=[0], key=key)
+        return True
 
     # -- instrumentation routines (observe only) -----------------------------
     def _count(self, *tensors, key, op_type, module, flops):
@@ -315,6 +433,23 @@ class FlopsProfiler(amanda.Tool):
 
     def _count_unknown(self, *tensors, label):
         self.unknown[label] += 1
+
+    def _stash_shapes(self, *arrays, key):
+        self._pending[key] = [tuple(a.shape) for a in arrays]
+
+    def _count_dynamic(self, output, key):
+        formula, op_type, module, op, count = self._dynamic[key]
+        ins = self._pending.pop(key, [])
+        ins = ins + [None] * (count - len(ins))
+        flops = _apply(formula, op_type, ins, tuple(output.shape), op, "onnx")
+        if flops is None:
+            self.unknown[f"{op_type} (shape unknown)"] += 1
+            return
+        record = self.records[key]
+        record["flops"] = flops
+        record["calls"] += 1
+        self._flops["forward"][op_type] += flops
+        self._by_module["forward"][module] += flops
 
     # -- report --------------------------------------------------------------
     def _phases(self, phase):
@@ -351,6 +486,7 @@ class FlopsProfiler(amanda.Tool):
         for record in self.records.values():
             record["calls"] = 0
         self.unknown.clear()
+        self._pending.clear()
 
     def table(self, top=None):
         """A readable text report: FLOPs by type (forward/backward), totals and
