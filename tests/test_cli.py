@@ -281,6 +281,20 @@ def test_diff_names_the_perturbed_module(doc_runs, tmp_path):
     assert clean.status == 0 and clean.json("diff.json")["first"] is None
 
 
+def test_diff_names_the_perturbed_keras_layer(doc_runs, tmp_path):
+    pytest.importorskip("tf2onnx")
+    run = doc_runs["diff keras:cnn --perturb conv2d:2"]
+    result = run.json("diff.json")
+    assert result["framework"] == "tensorflow" and result["perturbed_layer"]
+    first = result["first"]
+    assert first["tf_type"] == "Conv2D" and first["onnx_type"] == "Conv"
+    assert first["tf_op"] in result["perturbed_ops"] and first["tf_op"] in run.out
+    before = [m["tf_op"] for m in result["compared"]].index(first["tf_op"])
+    assert sum(m["tf_type"] == "Conv2D" for m in result["compared"][:before]) == 2
+    clean = _run(["diff", "keras:cnn"], tmp_path)
+    assert clean.status == 0 and clean.json("diff.json")["first"] is None
+
+
 def test_prune_reaches_the_pattern(doc_runs):
     result = doc_runs["prune cnn --pattern 2:4"].json("pruning.json")
     assert result["pattern"] == "2:4"
@@ -316,8 +330,10 @@ def test_keras_and_onnx_specs(tmp_path):
 def test_bad_specs_and_missing_pieces(tmp_path, capsys):
     assert main(["quantize", "keras:nosuchnet", "--out", str(tmp_path)]) == 2
     assert "no Keras application 'nosuchnet'" in capsys.readouterr().err
-    assert main(["diff", "keras:cnn", "--out", str(tmp_path)]) == 2
-    assert "works on pytorch models" in capsys.readouterr().err
+    onnx_file = pathlib.Path(pytest.importorskip("onnx").__file__).parent / \
+        "backend/test/data/light/light_squeezenet.onnx"
+    assert main(["diff", str(onnx_file), "--out", str(tmp_path)]) == 2
+    assert "works on pytorch and tensorflow models" in capsys.readouterr().err
     with pytest.raises(cli.MissingPiece, match=r"amanda\.tools\.nope"):
         cli._require("amanda.tools.nope", "trace", "the op profiler")
 
