@@ -604,12 +604,17 @@ class Rule:
             returns the replacement tensors (one per pattern output), or a
             `Graph` to inline like above, or None to skip this match.
         name: the rule's name (the pattern's if None).
+        prune: op types (e.g. ``("Const",)``) whose ops, when they produce a
+            tensor bound to a wildcard and nothing reads them after the
+            replacement, are removed with the match: the constants a pattern
+            checked through constraints and the replacement no longer reads.
     """
 
-    def __init__(self, pattern, replacement, name=None):
+    def __init__(self, pattern, replacement, name=None, prune=()):
         self.pattern = pattern
         self.replacement = replacement
         self.name = name or pattern.name
+        self.prune = frozenset(prune)
         if isinstance(replacement, Graph):
             self._check_template(replacement)
         elif not callable(replacement):
@@ -744,9 +749,16 @@ def _replace(rule, match, replaced):
             old.replace_all_uses_with(new)
             replaced[id(old)] = new
     for g_op in reversed(match.matched_ops()):
-        if not g_op.users and not any(t.is_graph_output for t in g_op.outputs) and not g_op.control_users:
+        if _unused(g_op):
             graph.remove_op(g_op)
+    for t in match.inputs if rule.prune else ():
+        if t.producer is not None and t.producer.type in rule.prune and _unused(t.producer):
+            graph.remove_op(t.producer)
     return True
+
+
+def _unused(g_op):
+    return not g_op.users and not any(t.is_graph_output for t in g_op.outputs) and not g_op.control_users
 
 
 def inline_graph(graph, template, inputs):

@@ -523,14 +523,14 @@ def _gelu_tanh_pytorch():
 def _gelu_tanh_tensorflow():
     patterns = (_gelu_erf_patterns("RealDiv|Mul", "AddV2|Add", with_one=False)
                 + _gelu_erf_patterns("RealDiv|Mul", "AddV2|Add", with_one=True))
-    return [Rule(p, _tf_gelu_tanh, name="gelu_tanh") for p in patterns]
+    return [Rule(p, _tf_gelu_tanh, name="gelu_tanh", prune=("Const",)) for p in patterns]
 
 
 def _gelu_tanh_onnx():
     gelu_op = pattern(lambda x: op.Gelu(x, name="gelu"), constraints={"gelu": _onnx_exact_gelu}, name="gelu_op")
     patterns = _gelu_erf_patterns("Div|Mul", "Add", with_one=True, extra_constraints={"x": _float32})
-    return [Rule(gelu_op, _onnx_gelu_op_tanh, name="gelu_tanh")] + [Rule(p, _onnx_gelu_tanh, name="gelu_tanh")
-                                                                    for p in patterns]
+    return [Rule(gelu_op, _onnx_gelu_op_tanh, name="gelu_tanh")] + [
+        Rule(p, _onnx_gelu_tanh, name="gelu_tanh", prune=("Constant",)) for p in patterns]
 
 
 _GELU_TANH = {"pytorch": _gelu_tanh_pytorch, "tensorflow": _gelu_tanh_tensorflow, "onnx": _gelu_tanh_onnx}
