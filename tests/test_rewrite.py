@@ -140,6 +140,43 @@ def test_explainer_names_the_failing_node_and_condition():
         explain(p, g, at="nope")
 
 
+def test_explaining_a_rule_set_reports_the_furthest_pattern():
+    g = conv_bn_chain(1, with_relu=True)
+    near = rewrite.pattern(lambda x, w, s: op.Relu(op.BN(op.Pool(x, name="pool"), s, name="bn"), name="relu"),
+                           name="near")
+    far = rewrite.pattern(lambda a: op.Relu(op.Softmax(a, name="softmax"), name="relu"), name="far")
+    rules = [Rule(far, fused), Rule(near, fused)]
+    why = explain(rules, g)
+    assert why.pattern == "near" and why.node == "pool" and "type is 'Conv'" in why.reason
+    assert explain(rules + [rewrite.pattern(lambda x, w, s: op.Relu(conv_bn(x, w, s)))], g, at="relu0")
+    assert explain([rewrite.pattern(lambda a: op.Softmax(a)), far], g).pattern == "far"
+    with pytest.raises(RewriteError, match="no pattern"):
+        explain([], g)
+
+
+def test_prune_removes_constants_the_match_no_longer_reads():
+    g = Graph("g")
+    x = g.add_input("x")
+    half = g.create_op("Const", [], name="half")
+    shared = g.create_op("Const", [], name="shared")
+    y = g.create_op("Mul", [x, half.outputs[0]], name="scale").outputs[0]
+    y = g.create_op("Add", [y, shared.outputs[0]], name="shift").outputs[0]
+    g.set_outputs([g.create_op("Sub", [y, shared.outputs[0]], name="again").outputs[0]])
+    scale = rewrite.pattern(lambda a, c: op.Mul(a, c, name="mul"), name="scale")
+    shift = rewrite.pattern(lambda a, c: op.Add(a, c, name="add"), name="shift")
+
+    def identity(m):
+        return [m.graph.create_op("Identity", [m.inputs[0]], name="id").outputs[0]]
+
+    result = rewrite.rewrite(g, [Rule(scale, identity, prune=("Const",))])
+    assert [o.name for o in result.graph] == ["shared", "id", "shift", "again"]
+    # a constant still read elsewhere (or of a type not listed) stays
+    result = rewrite.rewrite(g, [Rule(shift, identity, prune=("Const",))])
+    assert [o.name for o in result.graph] == ["half", "shared", "scale", "id", "again"]
+    result = rewrite.rewrite(g, [Rule(scale, identity, prune=("Constant",))])
+    assert "half" in [o.name for o in result.graph]
+
+
 def test_attrs_and_input_counts_are_conditions():
     g = Graph("g")
     x = g.add_input("x")
@@ -291,6 +328,18 @@ def test_gelu_tanh_rewrite_matches_the_tanh_model():
     to_tanh = (ours.last_hidden_state - approx.last_hidden_state).abs().max()
     to_exact = (ours.last_hidden_state - original.last_hidden_state).abs().max()
     assert to_tanh < 1e-5 and to_tanh * 10 < to_exact  # it is the tanh model, not the exact one
+
+
+def test_explainer_on_a_gelu_that_is_already_tanh():
+    from amanda.runtime.pytorch_graph import capture
+
+    program = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh")),
+                      (torch.randn(2, 4),))
+    rules = rewrite.gelu_tanh_rules()
+    assert program.rewrite(rules)[1].counts() == {}
+    why = explain(rules, program.graph)
+    assert why.at == "gelu" and why.node == "gelu" and "constraint \"gelu is exact (approximate='none')\" failed" \
+        in str(why)
 
 
 class MatMulNet(torch.nn.Module):
