@@ -70,3 +70,23 @@ def test_the_default_export_of_the_tutorial_cnn_matches():
 def test_the_docs_page_example_runs():
     from tests.markdown import run_examples
     run_examples("docs/tools/diff.md")
+
+
+def test_the_op_output_recorder_is_backend_neutral():
+    """The recorder diff_tf_onnx uses on TF graphs also records PyTorch ops
+    (NumPy copies keyed "<op id>:<position>")."""
+    import amanda
+    from amanda.tools.diff import OpOutputRecorder
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.rand(1, 3, 8, 8)
+    recorder = OpOutputRecorder()
+    with torch.no_grad(), amanda.apply(recorder):
+        out = model(x)
+    with torch.no_grad():
+        conv = model[0](x).numpy()
+    values = list(recorder.values.values())
+    assert all(isinstance(v, np.ndarray) for v in values)
+    assert any(v.shape == conv.shape and np.array_equal(v, conv) for v in values)
+    assert any(np.array_equal(v, out.numpy()) for v in values)
+    assert all(key.rsplit(":", 1)[1].isdigit() for key in recorder.values)

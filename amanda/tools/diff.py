@@ -39,9 +39,20 @@ from amanda.tools import mapping_tables
 
 _ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx writes 14
 
-__all__ = ["Divergence", "DiffReport", "ModuleRecorder", "OpDiffReport", "OpDivergence", "OpMatch",
-           "OpOutputRecorder", "diff_tf_onnx", "diff_torch_onnx", "onnx_scope_outputs",
-           "onnx_tensor_values", "tf_to_onnx"]
+__all__ = [
+    "DiffReport",
+    "Divergence",
+    "ModuleRecorder",
+    "OpDiffReport",
+    "OpDivergence",
+    "OpMatch",
+    "OpOutputRecorder",
+    "diff_tf_onnx",
+    "diff_torch_onnx",
+    "onnx_scope_outputs",
+    "onnx_tensor_values",
+    "tf_to_onnx",
+]
 
 
 @dataclasses.dataclass
@@ -150,8 +161,7 @@ def onnx_tensor_values(model, feeds, names=()):
     import onnxruntime as ort
     probed = onnx.ModelProto()
     probed.CopyFrom(model)
-    if probed.ir_version > _ORT_IR_VERSION:
-        probed.ir_version = _ORT_IR_VERSION
+    probed.ir_version = min(probed.ir_version, _ORT_IR_VERSION)
     declared = {o.name for o in probed.graph.output}
     wanted = [o.name for o in model.graph.output]
     for name in names:
@@ -278,7 +288,7 @@ def _first_tensor(value):
     from amanda.models import first_tensor
     try:
         return first_tensor(value)
-    except Exception:
+    except ValueError:   # no floating-point tensor in the output
         return None
 
 
@@ -482,11 +492,10 @@ def tf_to_onnx(session, inputs, outputs, opset=17):
     try:
         model, _ = tf2onnx.convert.from_graph_def(frozen, input_names=inputs,
                                                   output_names=outputs, opset=opset)
-    except Exception as error:   # tf2onnx raises plain exceptions of many kinds
+    except Exception as error:   # tf2onnx raises exceptions of many kinds
         raise ToolError(f"diff: tf2onnx could not convert the graph ({type(error).__name__}: "
                         f"{error})") from error
-    if model.ir_version > _ORT_IR_VERSION:
-        model.ir_version = _ORT_IR_VERSION
+    model.ir_version = min(model.ir_version, _ORT_IR_VERSION)
     return model
 
 
