@@ -107,3 +107,22 @@ def test_resnet50_matches_flop_counter_mode():
     assert profiler.by_type("forward")["conv2d"] == expected  # exact
     assert sum(r["type"] == "conv2d" for r in profiler.records.values()) == 53
     assert not profiler.unknown
+
+
+def test_shapes_changing_at_one_call_site():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+    per_sample = 2 * 8 * 16 * 16 * 3 * 3 * 3
+    # cached analysis: the second batch size is listed, never counted stale
+    cached = FlopsProfiler()
+    with torch.no_grad(), amanda.apply(cached):
+        for n in (2, 5, 2):
+            model(torch.rand(n, 3, 16, 16))
+    assert cached.by_type("forward")["conv2d"] == 2 * 2 * per_sample
+    assert cached.unknown == {"conv2d (shape changed)": 1, "relu (shape changed)": 1}
+    # analysis at every execution: all counted
+    fresh = FlopsProfiler()
+    with torch.no_grad(), amanda.apply(fresh), amanda.cache_disabled():
+        for n in (2, 5, 2):
+            model(torch.rand(n, 3, 16, 16))
+    assert fresh.by_type("forward")["conv2d"] == 9 * per_sample
+    assert not fresh.unknown

@@ -366,8 +366,13 @@ class FlopsProfiler(amanda.Tool):
         key = (context.namespace, context.get_op_id())
         self.records[key] = {"name": context.get_op_name(), "type": op_type,
                              "module": module, "flops": flops, "calls": 0}
-        context.insert_after_op(self._count, outputs=[], key=key, op_type=op_type,
-                                module=module, flops=flops)
+        # PyTorch: analysis runs once per call site; if a later execution
+        # there has another output shape, the cached count would be stale, so
+        # the routine checks the output's shape (no copy: the tensor itself)
+        check = backend == "pytorch" and len(context.get_outputs()) > 0
+        shape = _shape(context.get_outputs()[0]) if check else None
+        context.insert_after_op(self._count, outputs=[0] if check else [], key=key,
+                                op_type=op_type, module=module, flops=flops, shape=shape)
 
     def backward_analysis(self, context):
         flops = context.get("flops")
@@ -422,7 +427,11 @@ class FlopsProfiler(amanda.Tool):
         return True
 
     # -- instrumentation routines (observe only) -----------------------------
-    def _count(self, *tensors, key, op_type, module, flops):
+    def _count(self, *tensors, key, op_type, module, flops, shape=None):
+        if shape is not None and tensors and _shape(tensors[0]) not in (None, shape):
+            # never a stale count: listed (see docs/tools/flops.md)
+            self.unknown[f"{op_type} (shape changed)"] += 1
+            return
         self.records[key]["calls"] += 1
         self._flops["forward"][op_type] += flops
         self._by_module["forward"][module] += flops
