@@ -615,7 +615,7 @@ def _onnx_data_inputs(node, producers):
 _PASS_THROUGH = ("Transpose", "Identity")
 
 
-def _match(path_ops, producers, initializers):
+def _match(path_ops, producers):
     """Pairs ``(TF tensor, ONNX node, ONNX tensor name, how)`` to compare, in
     TF execution order.
 
@@ -626,7 +626,6 @@ def _match(path_ops, producers, initializers):
     converter renamed (``Conv__18``) is matched with the TF op feeding its
     consumer (the converter's own transposes are looked through).
     """
-    del initializers   # data inputs are node outputs; initializers are weights
     plan, by_tf, by_onnx = [], set(), set()
     for op in path_ops:
         for tensor in op.outputs:
@@ -712,7 +711,7 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
     path = _data_path(graph, feeds, fetches)
     path_ops = {op: index for index, op in enumerate(path)}
     initializers = {t.name for t in onnx_model.graph.initializer}
-    plan = _match(path_ops, producers, initializers)
+    plan = _match(path_ops, producers)
     matched_ops = {tensor.op for tensor, *_ in plan}
     matched_onnx = {onnx_name for _, _, onnx_name, _ in plan}
     tf_names = {t.name for op in graph.get_operations() for t in op.outputs}
