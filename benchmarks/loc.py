@@ -22,7 +22,7 @@ TOOLS = {
     "flops": "FLOPs profiler (forward + backward, formula table)",
     "debugging": "NaN/Inf detector, per-op statistics, tensor dumps",
     "effective_path": "effective path (Qiu et al. 2019)",
-    "diff": "numeric diff, PyTorch vs ONNX export",
+    "diff": "numeric diff, PyTorch vs ONNX export and TF vs its ONNX conversion",
     "coverage": "op coverage vs module hooks",
 }
 
