@@ -33,8 +33,21 @@ from __future__ import annotations
 
 import math
 
-from amanda.passes.rewrite import (ANY, Explanation, Match, Pattern, RewriteError, RewriteResult, Rule,
-                                   apply_rules, constraint, explain, find_matches, inline_graph, op)
+from amanda.passes.rewrite import (
+    ANY,
+    Explanation,
+    Match,
+    Pattern,
+    RewriteError,
+    RewriteResult,
+    Rule,
+    apply_rules,
+    constraint,
+    explain,
+    find_matches,
+    inline_graph,
+    op,
+)
 
 __all__ = [
     "ANY", "Explanation", "Match", "Pattern", "RewriteError", "RewriteResult", "Rule", "constraint",

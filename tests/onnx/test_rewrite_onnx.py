@@ -19,10 +19,10 @@ from tests.onnx.conftest import onnx, ort, session
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from amanda.frontends.onnx import lift  # noqa: E402
-from amanda.runtime.onnx import lower  # noqa: E402
-from amanda.tools import rewrite  # noqa: E402
-from amanda.tools.rewrite import explain  # noqa: E402
+from amanda.frontends.onnx import lift
+from amanda.runtime.onnx import lower
+from amanda.tools import rewrite
+from amanda.tools.rewrite import explain
 
 LAYERS = 2
 SEQ = 12

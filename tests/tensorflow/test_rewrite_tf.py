@@ -2,7 +2,9 @@
 
 Keras ResNet50 (random weights, 64x64 input, inference) in a tf.compat.v1 graph;
 batch-norm statistics and affine weights are set away from the identity so that
-folding them into the convolutions changes every weight.
+folding them into the convolutions changes every weight. A Keras transformer
+block (attention, Dense with gelu) for the gelu -> tanh and fake-quant rewrites,
+checked op by op and end to end against NumPy.
 """
 
 import numpy as np
@@ -10,12 +12,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from amanda.errors import BackendError  # noqa: E402
-from amanda.frontends.tensorflow import lift_graph  # noqa: E402
-from amanda.ir import Graph  # noqa: E402
-from amanda.runtime.tensorflow_graphdef import lower_to_graph_def  # noqa: E402
-from amanda.tools import rewrite  # noqa: E402
-from amanda.tools.rewrite import explain, op  # noqa: E402
+from amanda.errors import BackendError
+from amanda.frontends.tensorflow import lift_graph
+from amanda.ir import Graph
+from amanda.runtime.tensorflow_graphdef import lower_to_graph_def
+from amanda.tools import rewrite
+from amanda.tools.rewrite import explain, op
 
 
 class InferenceResNet:
@@ -130,12 +132,15 @@ def test_new_ops_get_their_attrs_from_the_op_def():
 
 
 def test_docs_page_examples_run():
-    """docs/tools/rewrite.md: IR, TensorFlow and PyTorch examples, with their printed output."""
+    """docs/tools/rewrite.md: IR, TensorFlow, PyTorch and ONNX examples, with their printed output."""
     pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
     from tests.markdown import run_examples
 
     namespace = run_examples("docs/tools/rewrite.md")
     assert namespace["folded"].counts() == {"fold_batchnorm": 1}
+    # the last examples: both rewrites on the ONNX export of the PyTorch block
+    assert namespace["tanh"].counts() == {"gelu_tanh": 1} and namespace["quant"].counts() == {"fake_quant_matmul": 3}
 
 
 # ---------------------------------------------------------------------------
