@@ -126,3 +126,32 @@ def test_shapes_changing_at_one_call_site():
             model(torch.rand(n, 3, 16, 16))
     assert fresh.by_type("forward")["conv2d"] == 9 * per_sample
     assert not fresh.unknown
+
+
+def test_backward_counts_are_never_stale_when_shapes_change():
+    """Training on two batch sizes at one call site: the second size's
+    backward convolutions are listed like its forward ones, not counted with
+    the first size's FLOPs; fresh analysis counts both exactly."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 8 * 8, 4))
+    conv = 2 * 8 * 8 * 8 * 3 * 3 * 3            # per sample, forward
+    linear = 2 * 8 * 8 * 8 * 4
+
+    def steps(profiler, *contexts):
+        import contextlib
+        with amanda.apply(profiler), contextlib.ExitStack() as stack:
+            for c in contexts:
+                stack.enter_context(c)
+            for n in (2, 3):
+                model(torch.rand(n, 3, 8, 8)).sum().backward()
+
+    cached = FlopsProfiler()
+    steps(cached)
+    # backward = 2x forward for convolutions and matrix products
+    assert cached.by_type("backward") == {"conv2d": 2 * 2 * conv, "linear": 2 * 2 * linear}
+    assert cached.unknown["conv2d backward (shape changed)"] == 1
+    assert cached.unknown["linear backward (shape changed)"] == 1
+    fresh = FlopsProfiler()
+    steps(fresh, amanda.cache_disabled())
+    assert fresh.by_type("backward") == {"conv2d": 2 * 5 * conv, "linear": 2 * 5 * linear}
+    assert not fresh.unknown

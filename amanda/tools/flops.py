@@ -358,19 +358,21 @@ class FlopsProfiler(amanda.Tool):
             label = op_type if formula is None else f"{op_type} (shape unknown)"
             context.insert_after_op(self._count_unknown, outputs=[], label=label)
             return
+        # PyTorch: analysis runs once per call site; if a later execution
+        # there has another output shape, the cached count would be stale, so
+        # the routines check the output's (or its gradient's) shape (no copy:
+        # the tensor itself)
+        check = backend == "pytorch" and len(context.get_outputs()) > 0
+        shape = _shape(context.get_outputs()[0]) if check else None
         context["flops"] = flops
         context["flops_type"] = op_type
         context["flops_module"] = module
+        context["flops_shape"] = shape
         if flops == 0:
             return
         key = (context.namespace, context.get_op_id())
         self.records[key] = {"name": context.get_op_name(), "type": op_type,
                              "module": module, "flops": flops, "calls": 0}
-        # PyTorch: analysis runs once per call site; if a later execution
-        # there has another output shape, the cached count would be stale, so
-        # the routine checks the output's shape (no copy: the tensor itself)
-        check = backend == "pytorch" and len(context.get_outputs()) > 0
-        shape = _shape(context.get_outputs()[0]) if check else None
         context.insert_after_op(self._count, outputs=[0] if check else [], key=key,
                                 op_type=op_type, module=module, flops=flops, shape=shape)
 
@@ -385,9 +387,18 @@ class FlopsProfiler(amanda.Tool):
         else:
             factor = _TORCH_BACKWARD.get(type(backward_op).__name__,
                                          _TORCH_BACKWARD.get(getattr(backward_op, "__name__", ""), 0))
-        if factor:
+        if not factor:
+            return
+        module, shape = context.get("flops_module"), context.get("flops_shape")
+        if shape is not None:
+            # the incoming gradient has the forward output's size: checked
+            # like the forward count (PyTorch only, a reference, no copy)
+            context.insert_before_backward_op(self._count_backward, grad_outputs=[0],
+                                              op_type=op_type, module=module,
+                                              flops=factor * flops, numel=_numel(shape))
+        else:
             context.insert_after_backward_op(self._count_backward, grad_inputs=[],
-                                             op_type=op_type, module=context.get("flops_module"),
+                                             op_type=op_type, module=module,
                                              flops=factor * flops)
 
     @staticmethod
@@ -436,7 +447,13 @@ class FlopsProfiler(amanda.Tool):
         self._flops["forward"][op_type] += flops
         self._by_module["forward"][module] += flops
 
-    def _count_backward(self, *tensors, op_type, module, flops):
+    def _count_backward(self, *tensors, op_type, module, flops, numel=None):
+        # numel, not shape: autograd may see the output through a view (a 3-D
+        # linear's MmBackward0 gets a 2-D gradient)
+        if numel is not None and tensors and tensors[0] is not None \
+                and tensors[0].numel() != numel:
+            self.unknown[f"{op_type} backward (shape changed)"] += 1
+            return
         self._flops["backward"][op_type] += flops
         self._by_module["backward"][module] += flops
 
