@@ -58,7 +58,7 @@ def transformer_block(seq=64, dim=128, heads=4):
     return _keras_graph(build, [8, seq, dim])
 
 
-MODELS = (("Keras ResNet50", resnet50, 5, 2), ("Keras transformer block", transformer_block, 7, 5))
+MODELS = (("Keras ResNet50", resnet50, 9, 3), ("Keras transformer block", transformer_block, 11, 20))
 
 
 def _configs():
