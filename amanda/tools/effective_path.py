@@ -131,10 +131,14 @@ class Extraction:
             (batch dim included); positions left out get none.
         synapses: boolean mask of critical weights per sample, shape
             ``(N,) + weight.shape``, or None.
+        type: the canonical type the rule recognised, reported instead of
+            the op's own (a TF ``Mean`` over the spatial axes is a
+            ``global_avg_pool2d``), or None.
     """
 
     inputs: dict
     synapses: np.ndarray | None = None
+    type: str | None = None
 
 
 class OpValues:
@@ -148,13 +152,18 @@ class OpValues:
         mask: boolean mask of the critical neurons of that output.
         params: canonical parameters (``strides``, ``pads``...).
         theta: the selection threshold.
+        constant: per input, whether it is computed from weights and
+            constants only (a variable read, ``rsqrt(variance + eps)``),
+            never from the model's input; such inputs get no critical
+            neurons.
     """
 
-    __slots__ = ("inputs", "mask", "op", "output", "params", "theta", "type")
+    __slots__ = ("constant", "inputs", "mask", "op", "output", "params", "theta", "type")
 
-    def __init__(self, op, type, inputs, output, mask, params, theta):
+    def __init__(self, op, type, inputs, output, mask, params, theta, constant=None):
         self.op, self.type, self.inputs, self.output = op, type, inputs, output
         self.mask, self.params, self.theta = mask, params, theta
+        self.constant = tuple(constant) if constant is not None else (False,) * len(inputs)
 
 
 def _linear(v):
@@ -299,6 +308,71 @@ def _add(v):
                        for i, value in enumerate(v.inputs) if value is not None})
 
 
+def _scale(v):
+    """``x * c``, ``x - c``, ``x / c`` where ``c`` is computed from weights
+    and constants only (``x + c`` is an ``add``, whose constant operand gets
+    no neurons either): an affine map of each neuron, like
+    ``batch_norm`` (Keras' inference batch normalisation is ``x * (gamma *
+    rsqrt(variance + eps)) + (beta - mean * ...)``), so critical neurons pass
+    through to ``x``; the walk does not enter ``c``. None (no rule) when
+    more than one operand depends on the model's input (a gate ``x * s``)."""
+    data = [i for i, value in enumerate(v.inputs) if value is not None and not v.constant[i]]
+    if len(data) != 1:
+        return None
+    (i,) = data
+    return Extraction({i: _unbroadcast(v.mask, np.shape(v.inputs[i]))})
+
+
+def _mean(v):
+    """A mean over ``params["axes"]`` is a linear op: each critical output
+    neuron keeps the minimal set of its inputs ``x_i / count`` (in row-major
+    order of the reduced axes) reaching theta, as average pooling does. A TF
+    ``Mean`` over the spatial axes of an NHWC map (Keras
+    ``GlobalAveragePooling2D``) selects exactly what PyTorch's
+    ``adaptive_avg_pool2d(x, 1)`` does."""
+    x = v.inputs[0]
+    axes = tuple(sorted(v.params["axes"]))
+    kept = [a for a in range(x.ndim) if a not in axes]
+    kept_shape = [x.shape[a] for a in kept]
+    count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    rows = np.transpose(x, kept + list(axes)).reshape(-1, count).astype(np.float64) / count
+    (critical_rows,) = np.nonzero(v.mask.reshape(-1))
+    critical = np.zeros(rows.shape, dtype=bool)
+    for start, selected in _select_chunked(lambda a, b: rows[critical_rows[a:b]],
+                                           len(critical_rows), count, v.theta):
+        critical[critical_rows[start:start + len(selected)]] = selected
+    critical = critical.reshape(kept_shape + [x.shape[a] for a in axes])
+    back = np.argsort(kept + list(axes))
+    return Extraction({0: np.transpose(critical, back)}, type=v.params.get("type"))
+
+
+def _pad(v):
+    """Constant padding: the critical neurons that lie inside the input
+    (padded elements are no neurons). ``params["before"]``: elements added
+    before each axis; None (no rule) for other modes (reflect...)."""
+    before = v.params.get("before")
+    if before is None:
+        return None
+    x = v.inputs[0]
+    inside = tuple(slice(b, b + size) for b, size in zip(before, x.shape))
+    return Extraction({0: v.mask[inside].reshape(x.shape)})
+
+
+def _concat(v):
+    """A concatenation: each part gets its slice of the critical neurons
+    along ``params["axis"]``; ``params["parts"]``: the input positions of
+    the concatenated tensors."""
+    axis, parts = v.params.get("axis"), v.params.get("parts")
+    if axis is None:
+        return None
+    found, start = {}, 0
+    for position in parts:
+        size = np.shape(v.inputs[position])[axis]
+        found[position] = np.take(v.mask, np.arange(start, start + size), axis=axis)
+        start += size
+    return Extraction(found)
+
+
 #: Element-wise ops whose critical neurons pass to their first input
 #: (``bias_add``: TF's separate bias, excluded like a layer's bias elsewhere).
 PASS_THROUGH_TYPES = frozenset({
@@ -324,6 +398,20 @@ RULES = {
     "avg_pool2d": _average(_pool_windows_avg),
     "adaptive_avg_pool2d": _average(_adaptive_windows),
     "add": _add,
+    # a depthwise filter (TF HWIM) is moved to a grouped OIHW one: groups = channels
+    "depthwise_conv2d": _conv2d,
+    # per-channel affine ops with a weight-derived operand (Keras batch norm)
+    **{t: _scale for t in ("mul", "sub", "div", "real_div")},
+    # TF Mean, ONNX ReduceMean/GlobalAveragePool, torch mean
+    **{t: _mean for t in ("mean", "reduce_mean", "global_avg_pool2d")},
+    "pad": _pad,
+    "pad_v2": _pad,
+    "concat": _concat,
+    "concat_v2": _concat,
+    # a class's probability (or log-probability) goes with its logit: the
+    # path from the softmax's critical output is the path from that logit
+    "softmax": _pass_through,
+    "log_softmax": _pass_through,
     **{t: _pass_through for t in PASS_THROUGH_TYPES | RESHAPE_TYPES},
     **{t: (lambda v: Extraction({})) for t in WEIGHT_SOURCE_TYPES},
 }
@@ -480,6 +568,88 @@ def _tf_linear_params(op, values):
     return {"layouts": layouts}
 
 
+def _tf_depthwise_params(op, values):
+    params = _tf_conv_params(op, values)
+    params["groups"] = int(np.shape(values[1])[2])      # HWIM: one group per channel
+    params["layouts"] = _tf_spec_layouts(op, "depthwise_conv2d")
+    return params
+
+
+def _axes(value, rank):
+    """Reduction axes (a scalar or a list, maybe negative) as sorted non-negative ints."""
+    return tuple(sorted({int(a) % rank for a in np.atleast_1d(np.asarray(value))}))
+
+
+def _spatial_axes(namespace, op_type):
+    """The H and W axes of the input layout the mapping table gives a global
+    average pooling spelled ``op_type``, or None."""
+    spec = mapping_tables.lookup(namespace, op_type, "global_avg_pool2d")
+    layout = None if spec is None else spec.layout("input")
+    return None if layout is None else (layout.index("H"), layout.index("W"))
+
+
+def _tf_mean_params(op, values):
+    rank = np.ndim(values[0])
+    params = {"axes": _axes(values[1], rank)}
+    if rank == 4 and params["axes"] == _spatial_axes("tensorflow", op.type):
+        params["type"] = "global_avg_pool2d"   # Keras GlobalAveragePooling2D
+    return params
+
+
+def _tf_pad_params(op, values):
+    return {"before": tuple(int(p) for p in np.asarray(values[1]).reshape(-1, 2)[:, 0])}
+
+
+def _tf_concat_params(op, values):
+    return {"axis": int(np.asarray(values[-1])) % np.ndim(values[0]),
+            "parts": range(len(values) - 1)}
+
+
+def _onnx_mean_params(op, values):
+    rank = np.ndim(values[0])
+    axes = op.attrs.get("axes")
+    if axes is None and len(values) > 1 and values[1] is not None:
+        axes = values[1]
+    if axes is None or np.size(axes) == 0:
+        if op.attrs.get("noop_with_empty_axes", 0):
+            return {"axes": ()}
+        axes = range(rank)
+    return {"axes": _axes(list(axes), rank)}
+
+
+def _onnx_pad_params(op, values):
+    if op.attrs.get("mode", "constant") != "constant":
+        return {}
+    pads = op.attrs.get("pads") if len(values) < 2 else values[1]
+    rank = np.ndim(values[0])
+    pads = [int(p) for p in np.asarray(pads).reshape(-1)]
+    if len(values) > 3 and values[3] is not None:     # pads of the listed axes only
+        before = [0] * rank
+        axes = _axes(values[3], rank)
+        for a, p in zip(axes, pads[:len(axes)]):
+            before[a] = p
+        return {"before": tuple(before)}
+    return {"before": tuple(pads[:rank])}
+
+
+def _torch_mean_params(op, values):
+    bound = _bind(op, ["dim", "keepdim"])
+    dim = bound.get("dim")
+    rank = np.ndim(values[0])
+    return {"axes": _axes(range(rank) if dim is None else dim, rank)}
+
+
+def _torch_pad_params(op, values):
+    bound = _bind(op, ["pad", "mode", "value"])
+    if bound.get("mode", "constant") != "constant":
+        return {}
+    pad, rank = [int(p) for p in bound["pad"]], np.ndim(values[0])
+    before = [0] * rank
+    for k in range(len(pad) // 2):                     # last axis first
+        before[rank - 1 - k] = pad[2 * k]
+    return {"before": tuple(before)}
+
+
 #: ``namespace prefix -> {canonical type: reader(op, input values) -> params}``.
 PARAM_READERS = {
     "pytorch": {
@@ -488,18 +658,30 @@ PARAM_READERS = {
                                           "ceil_mode", "return_indices"]),
         "avg_pool2d": _torch_pool_params(["kernel_size", "stride", "padding", "ceil_mode",
                                           "count_include_pad", "divisor_override"]),
+        "mean": _torch_mean_params,
+        "pad": _torch_pad_params,
     },
     "onnx": {
         "conv2d": _onnx_conv_params,
         "max_pool2d": _onnx_pool_params,
         "avg_pool2d": _onnx_pool_params,
         "linear": _onnx_linear_params,
+        "global_avg_pool2d": lambda op, values: {"axes": _spatial_axes("onnx", op.type)},
+        "reduce_mean": _onnx_mean_params,
+        "pad": _onnx_pad_params,
+        "concat": lambda op, values: {"axis": int(op.attrs.get("axis", 0)) % np.ndim(values[0]),
+                                      "parts": range(len(values))},
     },
     "tensorflow": {
         "conv2d": _tf_conv_params,
         "max_pool2d": _tf_pool_params("max_pool2d"),
         "avg_pool2d": _tf_pool_params("avg_pool2d"),
         "linear": _tf_linear_params,
+        "depthwise_conv2d": _tf_depthwise_params,
+        "mean": _tf_mean_params,
+        "pad": _tf_pad_params,
+        "pad_v2": _tf_pad_params,
+        "concat_v2": _tf_concat_params,
     },
 }
 
@@ -533,11 +715,17 @@ def _canonical_call(rule, v, layouts):
         output = mapping_tables.convert_layout(output, activation, "NCHW")
         mask = mapping_tables.convert_layout(mask, activation, "NCHW")
     weight = layouts.get("weight")
-    if weight is not None and len(inputs) > 1 and np.ndim(inputs[1]) == len(weight):
+    if weight == "HWIM" and len(inputs) > 1 and np.ndim(inputs[1]) == 4:
+        # a depthwise filter (TF): output channel c * M + m reads channel c,
+        # i.e. a grouped OIHW filter (C * M, 1, H, W), PyTorch's depthwise layout
+        kh, kw, channels, multiplier = np.shape(inputs[1])
+        inputs[1] = np.transpose(inputs[1], (2, 3, 0, 1)).reshape(
+            channels * multiplier, 1, kh, kw)
+    elif weight is not None and len(inputs) > 1 and np.ndim(inputs[1]) == len(weight):
         inputs[1] = mapping_tables.convert_layout(inputs[1], weight,
                                                   _CANONICAL_WEIGHT[len(weight)])
-    result = rule(OpValues(v.op, v.type, inputs, output, mask, v.params, v.theta))
-    if moved and 0 in result.inputs:
+    result = rule(OpValues(v.op, v.type, inputs, output, mask, v.params, v.theta, v.constant))
+    if result is not None and moved and 0 in result.inputs:
         result.inputs[0] = mapping_tables.convert_layout(result.inputs[0], "NCHW", activation)
     return result
 
@@ -675,14 +863,44 @@ def extract_paths(graph, value_of, type_of, theta=0.5, output=None, labels=None,
     start = np.zeros(logits.shape, dtype=bool)
     start[np.arange(batch), labels] = True
     masks = {output: start}
-    found, unknown, order = {}, [], []
+    found, unknown, order, retyped = {}, [], [], {}
+    constants = _constant_tensors(forward, type_of)
     for op in reversed(forward):
         out_mask = _merged_output_mask(op, masks)
         if out_mask is None:
             continue
         order.append(op)
-        _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown)
-    return _per_sample(graph, reversed(order), masks, found, unknown, labels, theta, type_of)
+        _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown,
+              constants, retyped)
+
+    def reported_type(op):
+        return retyped.get(op) or type_of(op)
+
+    return _per_sample(graph, reversed(order), masks, found, unknown, labels, theta,
+                       reported_type)
+
+
+def _constant_tensors(forward, type_of):
+    """The IR tensors computed from weights and constants only, never from
+    the model's input: weight graph inputs (initializers), outputs of
+    ``WEIGHT_SOURCE_TYPES`` ops and of ops without inputs (TF ``Const``),
+    and of ops reading only such tensors (``rsqrt(variance + eps)``).
+    PyTorch eager traces do not tell parameters from inputs: there only
+    tensors made by ops without inputs count."""
+    constant = set()
+    for op in forward:                   # graph order: producers first
+        op_type = type_of(op)
+        if op_type in INPUT_TYPES or op_type == "placeholder_with_default":
+            continue
+        if op_type in WEIGHT_SOURCE_TYPES or all(
+                t in constant or (t.producer is None and _is_weight(t)) for t in op.inputs):
+            constant.update(op.outputs)
+    return constant
+
+
+def _is_weight(tensor):
+    """Whether a graph input is a weight (an ONNX initializer, a parameter)."""
+    return tensor.attrs.get("kind", "input") != "input" or "initializer" in tensor.attrs
 
 
 def _merged_output_mask(op, masks):
@@ -691,27 +909,39 @@ def _merged_output_mask(op, masks):
     return masks.get(op.outputs[0])
 
 
-def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown):
+def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown,
+          constants=frozenset(), retyped=None):
     op_type = type_of(op)
     tensors = [t for t in op.inputs]
     if not tensors:
         return   # a source (constant, random): nothing further back
     rule = RULES.get(op_type)
-    if rule is None:
+    result = None
+    if rule is not None:
+        values = [value_of(t) for t in tensors]
+        output = value_of(op.outputs[0])
+        params = _params(op, op_type, values)
+        layouts = params.pop("layouts", None)
+        constant = [t in constants for t in tensors]
+        values = OpValues(op, op_type, values, output, out_mask, params, theta, constant)
+        result = _canonical_call(rule, values, layouts) if layouts else rule(values)
+    if result is None:   # no rule, or none for this form of the op
         if strict:
-            raise ToolError(f"effective path: no extraction rule for op type {op_type!r} "
-                            f"(add one to amanda.tools.effective_path.RULES)",
+            form = "" if rule is None else " in this form"
+            raise ToolError(f"effective path: no extraction rule for op type {op_type!r}"
+                            f"{form} (add one to amanda.tools.effective_path.RULES)",
                             op_name=op.name, namespace=op.namespace)
         unknown.append((op.name, op_type))
         return
-    values = [value_of(t) for t in tensors]
-    output = value_of(op.outputs[0])
-    params = _params(op, op_type, values)
-    layouts = params.pop("layouts", None)
-    values = OpValues(op, op_type, values, output, out_mask, params, theta)
-    result = _canonical_call(rule, values, layouts) if layouts else rule(values)
+    if result.type is not None and retyped is not None:
+        retyped[op] = result.type
+    # operands computed from weights only (a bias, a batch norm's scale) get no
+    # neurons: the walk does not enter them, as it does not enter a layer's weight
+    mixed = not all(constant)
     for position, mask in result.inputs.items():
         tensor = tensors[position]
+        if mixed and constant[position]:
+            continue
         if tensor in masks:
             masks[tensor] = masks[tensor] | mask
         else:
@@ -720,8 +950,10 @@ def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown)
         found[op] = result.synapses
 
 
-#: Types whose output keeps its input's layout (element-wise, bias, add).
-_LAYOUT_KEEPING = PASS_THROUGH_TYPES | {"add"}
+#: Types whose output keeps its input's layout (element-wise, bias, add,
+#: scaling, padding, concatenation).
+_LAYOUT_KEEPING = PASS_THROUGH_TYPES | {"add", "mul", "sub", "div", "real_div", "pad", "pad_v2",
+                                        "concat", "concat_v2"}
 
 
 def _channels_last(ops, type_of):
@@ -776,8 +1008,7 @@ def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
                 path.synapses[op.name] = found[op][b]
         for tensor in graph.inputs:
             mask = masks.get(tensor)
-            weight = tensor.attrs.get("kind", "input") != "input" or "initializer" in tensor.attrs
-            if mask is not None and not weight and mask.shape[0] == len(labels):
+            if mask is not None and not _is_weight(tensor) and mask.shape[0] == len(labels):
                 path.inputs[tensor.name] = _report(mask[b], tensor, channels_last)
         path.unknown = list(unknown)
         paths.append(path)

@@ -100,7 +100,13 @@ TABLE = {
         "depthwise_conv2d",
         tensorflow=(("DepthwiseConv2dNative",), {"input": 0, "weight": 1},
                     {"input": "NHWC", "weight": "HWIM"},
-                    {"stride": "strides", "padding": "padding", "dilation": "dilations"})),
+                    {"stride": "strides", "padding": "padding", "dilation": "dilations"}),
+        # a Conv whose group is its input channel count (``lookup("onnx", "Conv")``
+        # stays conv2d: the conv2d row comes first)
+        onnx=(("Conv",), {"input": 0, "weight": 1, "bias": 2},
+              {"input": "NCHW", "weight": "OIHW"},
+              {"stride": "strides", "padding": "pads", "dilation": "dilations",
+               "groups": "group", "kernel": "kernel_shape"})),
     "linear": _spec(
         "linear",
         pytorch=(("linear",), {"input": 0, "weight": 1, "bias": 2},
@@ -141,6 +147,9 @@ TABLE = {
     "global_avg_pool2d": _spec(
         "global_avg_pool2d",
         pytorch=(("adaptive_avg_pool2d",), {"input": 0}, {"input": "NCHW"}, {}),
+        # a Mean over the H and W axes of an NHWC map (Keras GlobalAveragePooling2D)
+        tensorflow=(("Mean",), {"input": 0, "axes": 1}, {"input": "NHWC"},
+                    {"keepdims": "keep_dims"}),
         onnx=(("GlobalAveragePool",), {"input": 0}, {"input": "NCHW"}, {})),
     "batch_norm": _spec(
         "batch_norm",
@@ -180,9 +189,10 @@ TABLE = {
 }
 
 # names the op type alone cannot decide: the mapping rule looks at the inputs
-AMBIGUOUS = {"tensorflow": {"MatMul": ("linear", "matmul"), "GatherV2": ("embedding", None)},
+AMBIGUOUS = {"tensorflow": {"MatMul": ("linear", "matmul"), "GatherV2": ("embedding", None),
+                            "Mean": ("global_avg_pool2d", None)},
              "onnx": {"MatMul": ("linear", "matmul"), "Gemm": ("linear", "matmul"),
-                      "Gather": ("embedding", None)}}
+                      "Gather": ("embedding", None), "Conv": ("conv2d", "depthwise_conv2d")}}
 
 
 def _index():

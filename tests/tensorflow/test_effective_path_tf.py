@@ -11,6 +11,7 @@ decision could only flip at a near-tie within rounding; the fixed inputs
 here meet none, and a wrong layout or padding changes many masks."""
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ class Twin:
             self.x = tf.compat.v1.placeholder(tf.float32, input_shape, name="x")
             self.model = build()
             self.y = self.model(self.x)
-            variables = [w.value for w in self.model.trainable_weights]
+            variables = [w.value for w in self.model.weights]   # BN statistics too
             init = tf.compat.v1.variables_initializer([w.value for w in self.model.weights])
         self.session = tf.compat.v1.Session(graph=self.graph)
         self.session.run(init)
@@ -196,6 +197,149 @@ def test_the_users_graph_is_left_unchanged(cnn_twins):
     assert len(tool.paths) == 3
     after = [(op.name, op.type, [t.name for t in op.inputs]) for op in twin.graph.get_operations()]
     assert after == before and twin.graph.version == version
+
+
+# -- Keras CNN layers: batch norm, depthwise conv, global average pooling ---------------
+
+def bn_cnn():
+    """Conv (no bias) + batch norm (eval, non-trivial statistics) + ReLU +
+    depthwise conv (multiplier 2) + ReLU + global average pooling + linear."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4, eps=1e-3),
+        torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3, stride=2, groups=4), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5))
+    bn = net[1]
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.2, 0.2)
+        bn.running_mean.uniform_(-0.3, 0.3)
+        bn.running_var.uniform_(0.5, 2.0)
+    return net.eval()
+
+
+def bn_cnn_keras_weights(net):
+    """Keras order: conv kernel; gamma, beta, moving mean, moving variance;
+    depthwise kernel (HWIM: torch's (C*M, 1, H, W) with out channel c*M + m),
+    bias; dense kernel (in, out), bias."""
+    conv, bn, depthwise, dense = net[0], net[1], net[3], net[7]
+    numpy = lambda t: t.detach().numpy()
+    dw = numpy(depthwise.weight)
+    return [np.transpose(numpy(conv.weight), (2, 3, 1, 0)),
+            numpy(bn.weight), numpy(bn.bias), numpy(bn.running_mean), numpy(bn.running_var),
+            np.transpose(dw.reshape(4, 2, 3, 3), (2, 3, 0, 1)), numpy(depthwise.bias),
+            numpy(dense.weight).T, numpy(dense.bias)]
+
+
+@pytest.fixture(scope="module")
+def bn_twins():
+    net = bn_cnn()
+    twin = Twin(lambda: tf.keras.Sequential([
+        tf.keras.Input((9, 9, 3)), layers.Conv2D(4, 3, padding="same", use_bias=False),
+        layers.BatchNormalization(epsilon=1e-3), layers.ReLU(),
+        layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2), layers.ReLU(),
+        layers.GlobalAveragePooling2D(), layers.Dense(5)]),
+        [3, 9, 9, 3], bn_cnn_keras_weights(net))
+    yield net, twin
+    twin.session.close()
+
+
+# TF op type -> the torch op it stands for; None: no torch op of its own (the
+# second half of Keras' batch norm, a layer's separate BiasAdd)
+KERAS_AS_TORCH = {"conv2d": "conv2d", "mul": "batch_norm", "add": None, "relu": "relu",
+                  "depthwise_conv2d": "conv2d", "bias_add": None,
+                  "global_avg_pool2d": "adaptive_avg_pool2d", "linear": "linear"}
+
+
+@pytest.mark.parametrize("theta", (0.5, 1.0))
+def test_keras_batch_norm_depthwise_and_global_pooling_give_the_torch_masks(bn_twins, theta):
+    net, twin = bn_twins
+    x = np.random.default_rng(8).standard_normal((3, 3, 9, 9)).astype(np.float32)
+    on_torch = extract(net, torch.from_numpy(x), theta)
+    on_tf = EffectivePathTool(theta=theta, output=twin.y)
+    logits = twin.run(nhwc(x), on_tf)
+    np.testing.assert_allclose(logits, net(torch.from_numpy(x)).detach().numpy(),
+                               rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(on_torch.paths, on_tf.paths, strict=True):
+        assert theirs.unknown == [] and mine.unknown == [] and mine.label == theirs.label
+        # the walk did not enter the batch norm's variables (no Rsqrt/Sub on the path)
+        assert set(theirs.types.values()) == set(KERAS_AS_TORCH)
+        tf_ops = [n for n, t in theirs.types.items() if KERAS_AS_TORCH[t] is not None]
+        torch_ops = [n for n, t in mine.types.items() if t != "flatten"]
+        assert [KERAS_AS_TORCH[theirs.types[n]] for n in tf_ops] == \
+            [mine.types[n] for n in torch_ops]
+        for torch_op, tf_op in zip(torch_ops, tf_ops):
+            expected = mine.neurons[torch_op]
+            np.testing.assert_array_equal(theirs.neurons[tf_op].reshape(expected.shape), expected,
+                                          err_msg=f"neurons of {tf_op}, theta {theta}")
+            if torch_op in mine.synapses:
+                np.testing.assert_array_equal(theirs.synapses[tf_op], mine.synapses[torch_op],
+                                              err_msg=f"synapses of {tf_op}, theta {theta}")
+        assert theirs.synapses.keys() == {n for n in tf_ops if theirs.types[n] in
+                                          ("conv2d", "depthwise_conv2d", "linear")}
+        assert len(theirs.synapses) == len(mine.synapses) == 3
+        # batch norm's two halves and the layers' BiasAdds pass the neurons through
+        names = list(theirs.types)
+        for before, name in itertools.pairwise(names):
+            if theirs.types[name] in ("mul", "add", "bias_add"):
+                np.testing.assert_array_equal(theirs.neurons[name], theirs.neurons[before])
+        (pixels,) = mine.inputs.values()
+        np.testing.assert_array_equal(theirs.inputs["x"], pixels)
+        assert pixels.any()
+
+
+@pytest.fixture(scope="module")
+def mobilenet():
+    """Keras' MobileNetV2 (random weights, alpha 0.35, 32x32) in a
+    tf.compat.v1 graph: batch norms, ReLU6, ZeroPadding2D, depthwise convs,
+    residual adds, global average pooling, softmax."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 32, 32, 3], name="x")
+        model = tf.keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3),
+                                                  alpha=0.35)
+        y = model(x)
+        init = tf.compat.v1.variables_initializer([w.value for w in model.weights])
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(init)
+    yield graph, session, x, y
+    session.close()
+
+
+@pytest.mark.slow   # about 17 s: two instrumented runs of a 150-layer graph
+def test_keras_mobilenet_v2_is_walked_end_to_end(mobilenet):
+    """Every layer is on the path, no op lacks a rule; and the theta = 1.0
+    path contains the theta = 0.5 path at every layer: per neuron, both
+    keep a prefix of the same order of contributions (0.5's the shorter),
+    and every rule maps more critical outputs to more critical inputs."""
+    graph, session, x, y = mobilenet
+    pixels = np.random.default_rng(9).random((2, 32, 32, 3)).astype(np.float32)
+    paths = {}
+    for theta in (0.5, 1.0):
+        tool = EffectivePathTool(theta=theta)   # default output: the softmax
+        with amanda.apply(tool):
+            probabilities = session.run(y, {x: pixels})
+        paths[theta] = tool.paths
+        assert tool.unknown == Counter()
+        assert [p.label for p in tool.paths] == probabilities.argmax(1).tolist()
+    convolutions = {op.name for op in graph.get_operations()
+                    if op.type in ("Conv2D", "DepthwiseConv2dNative", "MatMul")}
+    assert len(convolutions) == 35 + 17 + 1
+    for half, full in zip(paths[0.5], paths[1.0], strict=True):
+        assert half.unknown == full.unknown == []
+        assert half.inputs["x"].shape == (3, 32, 32) and half.inputs["x"].any()
+        for path in (half, full):
+            assert set(path.synapses) == convolutions           # end to end
+            assert {"mul", "add", "relu6", "pad", "depthwise_conv2d", "global_avg_pool2d",
+                    "softmax"} <= set(path.types.values())
+            assert not {"rsqrt", "sub", "read_variable_op"} & set(path.types.values())
+        assert half.neurons.keys() == full.neurons.keys()
+        for name, mask in half.neurons.items():
+            assert not (mask & ~full.neurons[name]).any(), name
+        for name, mask in half.synapses.items():
+            assert not (mask & ~full.synapses[name]).any(), name
+        assert not (half.inputs["x"] & ~full.inputs["x"]).any()
+        assert full.inputs["x"].sum() > half.inputs["x"].sum()
 
 
 # -- TF's own attributes against loops over neurons ------------------------------------
