@@ -540,16 +540,11 @@ def _canonical_types(backend, op_type):
             if backend in backends and op_type in backends[backend].ops}
 
 
-# canonical types an ONNX op also realises: a grouped Conv is a depthwise convolution
-_ALSO = {"conv2d": {"depthwise_conv2d"}}
-
-
 def _same_op(tf_type, onnx_type):
     """Whether a TF op type and an ONNX op type are the same op: a common
     canonical type in the mapping tables, else the same type name."""
     tf_canonical = _canonical_types("tensorflow", tf_type)
     onnx_canonical = _canonical_types("onnx", onnx_type)
-    onnx_canonical |= {also for c in onnx_canonical for also in _ALSO.get(c, ())}
     if tf_canonical and onnx_canonical:
         return bool(tf_canonical & onnx_canonical)
     return tf_type.lower() == onnx_type.lower()
