@@ -64,6 +64,7 @@ from amanda.tools.graph import GraphTracingTool, module_path
 from amanda.tools.mapping import MappingTool
 
 __all__ = [
+    "CONSTANT_TYPES",
     "INPUT_TYPES",
     "PARAM_READERS",
     "PASS_THROUGH_TYPES",
@@ -384,6 +385,10 @@ PASS_THROUGH_TYPES = frozenset({
 #: there and they are not reported as neurons, like PyTorch parameters and
 #: ONNX initializers.
 WEIGHT_SOURCE_TYPES = frozenset({"read_variable_op"})
+#: Ops making constants (TF ``Const``, a variable's handle, ONNX
+#: ``Constant``): like weights, an operand computed from them only (a batch
+#: norm's ``gamma * rsqrt(variance + eps)``) gets no neurons.
+CONSTANT_TYPES = frozenset({"const", "constant", "var_handle_op", "variable_v2"})
 #: Ops feeding the model's input (TF ``Placeholder``): reported in
 #: :attr:`EffectivePath.inputs`, like graph inputs.
 INPUT_TYPES = frozenset({"placeholder"})
@@ -408,6 +413,7 @@ RULES = {
     "pad_v2": _pad,
     "concat": _concat,
     "concat_v2": _concat,
+    "cat": _concat,
     # a class's probability (or log-probability) goes with its logit: the
     # path from the softmax's critical output is the path from that logit
     "softmax": _pass_through,
@@ -660,6 +666,8 @@ PARAM_READERS = {
                                           "count_include_pad", "divisor_override"]),
         "mean": _torch_mean_params,
         "pad": _torch_pad_params,
+        "cat": lambda op, values: {"axis": int(_bind(op, ["dim"]).get("dim", 0))
+                                   % np.ndim(values[0]), "parts": range(len(values))},
     },
     "onnx": {
         "conv2d": _onnx_conv_params,
@@ -882,18 +890,16 @@ def extract_paths(graph, value_of, type_of, theta=0.5, output=None, labels=None,
 
 def _constant_tensors(forward, type_of):
     """The IR tensors computed from weights and constants only, never from
-    the model's input: weight graph inputs (initializers), outputs of
-    ``WEIGHT_SOURCE_TYPES`` ops and of ops without inputs (TF ``Const``),
-    and of ops reading only such tensors (``rsqrt(variance + eps)``).
-    PyTorch eager traces do not tell parameters from inputs: there only
-    tensors made by ops without inputs count."""
+    the model's input: weight graph inputs (ONNX initializers), outputs of
+    ``WEIGHT_SOURCE_TYPES`` and ``CONSTANT_TYPES`` ops, and of ops reading
+    only such tensors (``rsqrt(variance + eps)``). PyTorch eager traces do
+    not tell parameters from inputs (both are graph inputs without
+    producer), so there no operand counts as constant."""
     constant = set()
     for op in forward:                   # graph order: producers first
         op_type = type_of(op)
-        if op_type in INPUT_TYPES or op_type == "placeholder_with_default":
-            continue
-        if op_type in WEIGHT_SOURCE_TYPES or all(
-                t in constant or (t.producer is None and _is_weight(t)) for t in op.inputs):
+        if op_type in WEIGHT_SOURCE_TYPES or op_type in CONSTANT_TYPES or (op.inputs and all(
+                t in constant or (t.producer is None and _is_weight(t)) for t in op.inputs)):
             constant.update(op.outputs)
     return constant
 
@@ -953,7 +959,7 @@ def _step(op, out_mask, value_of, type_of, theta, strict, masks, found, unknown,
 #: Types whose output keeps its input's layout (element-wise, bias, add,
 #: scaling, padding, concatenation).
 _LAYOUT_KEEPING = PASS_THROUGH_TYPES | {"add", "mul", "sub", "div", "real_div", "pad", "pad_v2",
-                                        "concat", "concat_v2"}
+                                        "concat", "concat_v2", "cat"}
 
 
 def _channels_last(ops, type_of):

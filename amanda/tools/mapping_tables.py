@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BACKENDS", "OpSpec", "TABLE", "convert_layout", "lookup", "specs"]
+__all__ = ["BACKENDS", "TABLE", "OpSpec", "convert_layout", "lookup", "specs"]
 
 BACKENDS = ("pytorch", "tensorflow", "onnx")
 
@@ -197,7 +197,7 @@ AMBIGUOUS = {"tensorflow": {"MatMul": ("linear", "matmul"), "GatherV2": ("embedd
 
 def _index():
     index = {backend: {} for backend in BACKENDS}
-    for canonical, backends in TABLE.items():
+    for backends in TABLE.values():
         for backend, spec in backends.items():
             for name in spec.ops:
                 index[backend].setdefault(name, spec)

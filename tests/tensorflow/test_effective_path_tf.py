@@ -42,7 +42,12 @@ class Twin:
             init = tf.compat.v1.variables_initializer([w.value for w in self.model.weights])
         self.session = tf.compat.v1.Session(graph=self.graph)
         self.session.run(init)
-        for variable, value in zip(variables, weights):   # fed initializers: no new op
+        self.variables = variables
+        if weights is not None:
+            self.load(weights)
+
+    def load(self, weights):
+        for variable, value in zip(self.variables, weights):   # fed initializers: no new op
             self.session.run(variable.initializer, {variable.initializer.inputs[1]: value})
 
     def run(self, x, tool):
@@ -251,10 +256,10 @@ KERAS_AS_TORCH = {"conv2d": "conv2d", "mul": "batch_norm", "add": None, "relu": 
                   "global_avg_pool2d": "adaptive_avg_pool2d", "linear": "linear"}
 
 
-@pytest.mark.parametrize("theta", (0.5, 1.0))
-def test_keras_batch_norm_depthwise_and_global_pooling_give_the_torch_masks(bn_twins, theta):
-    net, twin = bn_twins
-    x = np.random.default_rng(8).standard_normal((3, 3, 9, 9)).astype(np.float32)
+def assert_same_masks(net, twin, x, theta, as_torch):
+    """Both backends' paths of ``x`` (NCHW); ``as_torch``: TF type -> the
+    torch type it stands for (None: no torch op of its own). TF neurons are
+    compared reshaped to the torch shape (a Mean's (C,) and a pool's (C, 1, 1))."""
     on_torch = extract(net, torch.from_numpy(x), theta)
     on_tf = EffectivePathTool(theta=theta, output=twin.y)
     logits = twin.run(nhwc(x), on_tf)
@@ -262,12 +267,10 @@ def test_keras_batch_norm_depthwise_and_global_pooling_give_the_torch_masks(bn_t
                                rtol=1e-4, atol=1e-5)
     for mine, theirs in zip(on_torch.paths, on_tf.paths, strict=True):
         assert theirs.unknown == [] and mine.unknown == [] and mine.label == theirs.label
-        # the walk did not enter the batch norm's variables (no Rsqrt/Sub on the path)
-        assert set(theirs.types.values()) == set(KERAS_AS_TORCH)
-        tf_ops = [n for n, t in theirs.types.items() if KERAS_AS_TORCH[t] is not None]
+        assert set(theirs.types.values()) == set(as_torch)
+        tf_ops = [n for n, t in theirs.types.items() if as_torch[t] is not None]
         torch_ops = [n for n, t in mine.types.items() if t != "flatten"]
-        assert [KERAS_AS_TORCH[theirs.types[n]] for n in tf_ops] == \
-            [mine.types[n] for n in torch_ops]
+        assert [as_torch[theirs.types[n]] for n in tf_ops] == [mine.types[n] for n in torch_ops]
         for torch_op, tf_op in zip(torch_ops, tf_ops):
             expected = mine.neurons[torch_op]
             np.testing.assert_array_equal(theirs.neurons[tf_op].reshape(expected.shape), expected,
@@ -275,17 +278,88 @@ def test_keras_batch_norm_depthwise_and_global_pooling_give_the_torch_masks(bn_t
             if torch_op in mine.synapses:
                 np.testing.assert_array_equal(theirs.synapses[tf_op], mine.synapses[torch_op],
                                               err_msg=f"synapses of {tf_op}, theta {theta}")
-        assert theirs.synapses.keys() == {n for n in tf_ops if theirs.types[n] in
-                                          ("conv2d", "depthwise_conv2d", "linear")}
-        assert len(theirs.synapses) == len(mine.synapses) == 3
+        assert len(theirs.synapses) == len(mine.synapses)
+        (pixels,) = mine.inputs.values()
+        np.testing.assert_array_equal(theirs.inputs["x"], pixels)
+        assert pixels.any()
+    return on_torch, on_tf
+
+
+@pytest.mark.parametrize("theta", (0.5, 1.0))
+def test_keras_batch_norm_depthwise_and_global_pooling_give_the_torch_masks(bn_twins, theta):
+    net, twin = bn_twins
+    x = np.random.default_rng(8).standard_normal((3, 3, 9, 9)).astype(np.float32)
+    on_torch, on_tf = assert_same_masks(net, twin, x, theta, KERAS_AS_TORCH)
+    for mine, theirs in zip(on_torch.paths, on_tf.paths, strict=True):
+        # the walk did not enter the batch norm's variables (no Rsqrt/Sub on the path)
+        assert "rsqrt" not in theirs.types.values() and "sub" not in theirs.types.values()
+        assert len(theirs.synapses) == 3
+        depthwise = next(n for n, t in theirs.types.items() if t == "depthwise_conv2d")
+        assert theirs.synapses[depthwise].shape == (8, 1, 3, 3)   # torch's grouped OIHW
         # batch norm's two halves and the layers' BiasAdds pass the neurons through
         names = list(theirs.types)
         for before, name in itertools.pairwise(names):
             if theirs.types[name] in ("mul", "add", "bias_add"):
                 np.testing.assert_array_equal(theirs.neurons[name], theirs.neurons[before])
-        (pixels,) = mine.inputs.values()
-        np.testing.assert_array_equal(theirs.inputs["x"], pixels)
-        assert pixels.any()
+
+
+class Branches(torch.nn.Module):
+    """Two convolutions concatenated on channels, ReLU, asymmetric zero
+    padding, strided conv, ReLU, global average pooling, linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = torch.nn.Conv2d(2, 3, 3), torch.nn.Conv2d(2, 2, 3)
+        self.pad = torch.nn.ZeroPad2d((0, 1, 2, 0))          # left, right, top, bottom
+        self.c = torch.nn.Conv2d(5, 4, 3, stride=2)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.pad(torch.relu(torch.cat([self.a(x), self.b(x)], dim=1)))
+        h = torch.relu(self.c(h))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(h, 1), 1))
+
+
+@pytest.fixture(scope="module")
+def branch_twins():
+    net = Branches().eval()
+
+    def build():
+        x = tf.keras.Input((9, 9, 2))
+        h = layers.Concatenate()([layers.Conv2D(3, 3, name="a")(x),
+                                  layers.Conv2D(2, 3, name="b")(x)])
+        h = layers.ZeroPadding2D(((2, 0), (0, 1)))(layers.ReLU()(h))
+        h = layers.ReLU()(layers.Conv2D(4, 3, strides=2, name="c")(h))
+        return tf.keras.Model(x, layers.Dense(3, name="fc")(layers.GlobalAveragePooling2D()(h)))
+
+    def weights(model):
+        found = []
+        for w in model.weights:   # by layer name: "a/kernel"...
+            layer, kind = w.path.split("/")[-2:]
+            value = getattr(net, layer).weight if kind == "kernel" else getattr(net, layer).bias
+            value = value.detach().numpy()
+            found.append(np.transpose(value, (2, 3, 1, 0)) if value.ndim == 4 else value.T)
+        return found
+
+    twin = Twin(build, [2, 9, 9, 2], None)
+    twin.load(weights(twin.model))
+    yield net, twin
+    twin.session.close()
+
+
+@pytest.mark.parametrize("theta", (0.5, 1.0))
+def test_keras_concatenate_and_zero_padding_give_the_torch_masks(branch_twins, theta):
+    net, twin = branch_twins
+    x = np.random.default_rng(10).standard_normal((2, 2, 9, 9)).astype(np.float32)
+    as_torch = {"conv2d": "conv2d", "bias_add": None, "concat_v2": "cat", "relu": "relu",
+                "pad": "pad", "global_avg_pool2d": "adaptive_avg_pool2d", "linear": "linear"}
+    _, on_tf = assert_same_masks(net, twin, x, theta, as_torch)
+    for path in on_tf.paths:
+        concat, pad = (next(n for n, t in path.types.items() if t == kind)
+                       for kind in ("concat_v2", "pad"))
+        assert path.neurons[concat].shape == (5, 7, 7) and path.neurons[pad].shape == (5, 9, 8)
+        assert not path.neurons[pad][:, :2].any() and not path.neurons[pad][:, :, -1].any()
 
 
 @pytest.fixture(scope="module")
@@ -501,6 +575,37 @@ def test_unknown_tf_ops_are_reported_or_raise(raw_graph):
     assert path.unknown == []
     assert list(path.types.values()) == ["linear", "add", "relu", "linear"]
     assert path.inputs["x"].shape == (4,) and path.inputs["x"].any()
+
+
+def test_a_product_of_two_activations_has_no_rule():
+    """``x * c`` with ``c`` from variables passes through (batch norm); a
+    gate ``h * sigmoid(h)`` has no rule: reported, or raises with strict."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4], name="x")
+        rng = np.random.default_rng(0)
+        w = tf.Variable(rng.standard_normal((4, 3)).astype(np.float32), name="w")
+        scale = tf.Variable(rng.random(4).astype(np.float32) + 0.5, name="scale")
+        scaled = tf.multiply(x, tf.math.rsqrt(scale + 1e-3), name="scaled")
+        y = tf.matmul(scaled, w, name="logits")
+        gated = tf.matmul(scaled * tf.sigmoid(scaled, name="gate"), w, name="gated")
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        feed = {x: rng.random((2, 4)).astype(np.float32)}
+        tool, gate, strict = (EffectivePathTool(theta=1.0, output=y),
+                              EffectivePathTool(theta=1.0, output=gated),
+                              EffectivePathTool(theta=1.0, output=gated, strict=True))
+        for t, out in ((tool, y), (gate, gated), (strict, gated)):
+            with amanda.apply(t):
+                session.run(out, feed)
+    path = tool.paths[0]
+    assert path.unknown == [] and list(path.types.values()) == ["mul", "linear"]
+    np.testing.assert_array_equal(path.inputs["x"], path.neurons["scaled"])
+    with pytest.warns(UserWarning, match="mul"):
+        assert gate.paths[0].unknown == [("mul", "mul")]
+    with pytest.raises(ToolError, match="no extraction rule for op type 'mul' in this form"):
+        _ = strict.paths
 
 
 def test_runs_add_paths_and_class_paths(mlp_twins):
