@@ -46,7 +46,12 @@ Contributions: ``activation x weight`` for ``linear`` and ``conv2d`` (bias
 excluded, zero padding contributes nothing), ``activation / divisor`` for
 average pooling; ``max_pool2d`` keeps the first maximal input of the window;
 ``add`` keeps both branches; element-wise activations, normalisations,
-TF's ``BiasAdd`` and reshapes pass critical neurons through.
+TF's ``BiasAdd`` and reshapes pass critical neurons through. A mean (TF
+``Mean``: Keras ``GlobalAveragePooling2D``) is an average: ``x_i / count``.
+An operand computed from weights and constants only (a bias, the
+``gamma * rsqrt(variance + eps)`` of Keras' batch norm, which TF builds from
+``Mul``/``AddV2``) gets no neurons: ``x * c`` passes through like
+``batch_norm``, ``x + c`` like ``BiasAdd``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ and a tool that wants more than the canonical type asks the table directly::
 TensorFlow has no single op for ``gelu`` or ``layer_norm`` (Keras builds them
 from ``Erf``/``Mul`` and ``Mean``/``Rsqrt`` ops), so those rows have no TF
 entry; the subgraph rewriting tool is the way to recognise such compositions.
+Keras' ``GlobalAveragePooling2D`` is one TF op, a ``Mean`` over the ``H`` and
+``W`` axes of an NHWC map, so the ``global_avg_pool2d`` row lists ``Mean``
+(ambiguous: other means are not pooling; the user checks the axes), and a
+depthwise convolution is an ONNX ``Conv`` whose group is its channel count
+(``lookup("onnx", "Conv")`` stays ``conv2d``; ``lookup("onnx", "Conv",
+"depthwise_conv2d")`` gives the depthwise row).
 
 Layouts are strings of axis letters; :func:`convert_layout` moves an array
 between two of them (e.g. a TF ``HWIO`` filter to PyTorch's ``OIHW``).
