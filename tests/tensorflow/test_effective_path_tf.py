@@ -362,6 +362,48 @@ def test_keras_concatenate_and_zero_padding_give_the_torch_masks(branch_twins, t
         assert not path.neurons[pad][:, :2].any() and not path.neurons[pad][:, :, -1].any()
 
 
+@pytest.mark.parametrize("build", [bn_cnn, lambda: Branches().eval()], ids=["bn", "branches"])
+def test_onnx_exports_of_the_twins_give_the_torch_masks(build):
+    """The third backend on the same torch models: ONNX ``GlobalAveragePool``,
+    ``Concat`` and ``Pad`` (pads as an input) walk like their torch ops. The
+    exporter folds the batch norm into the conv (a positive scale per output
+    channel keeps every selection), so torch's ``batch_norm`` has no twin."""
+    pytest.importorskip("onnxruntime")
+    import io
+    import warnings
+
+    import onnxruntime
+
+    import amanda.runtime.onnx   # the ONNX graph pass
+    net = build()
+    channels = 3 if isinstance(net, torch.nn.Sequential) else 2
+    x = torch.from_numpy(np.random.default_rng(8).standard_normal(
+        (3, channels, 9, 9)).astype(np.float32))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the TorchScript exporter's deprecation notice
+        torch.onnx.export(net, (x,), buffer, dynamo=False, opset_version=13,
+                          input_names=["x"], output_names=["y"])
+    for theta in (0.5, 1.0):
+        on_torch = extract(net, x, theta)
+        on_onnx = EffectivePathTool(theta=theta)
+        with amanda.apply(on_onnx):
+            onnxruntime.InferenceSession(buffer.getvalue()).run(None, {"x": x.numpy()})
+        for mine, theirs in zip(on_torch.paths, on_onnx.paths, strict=True):
+            assert theirs.unknown == [] and mine.label == theirs.label
+            torch_ops = [n for n, t in mine.types.items() if t != "batch_norm"]
+            renamed = {"global_avg_pool2d": "adaptive_avg_pool2d", "concat": "cat"}
+            assert [renamed.get(t, t) for t in theirs.types.values()] == \
+                [mine.types[n] for n in torch_ops]
+            for torch_op, onnx_op in zip(torch_ops, theirs.neurons):
+                np.testing.assert_array_equal(theirs.neurons[onnx_op], mine.neurons[torch_op],
+                                              err_msg=f"neurons of {onnx_op}, theta {theta}")
+            for a, b in zip(mine.synapses.values(), theirs.synapses.values(), strict=True):
+                np.testing.assert_array_equal(a, b)
+            (pixels,) = mine.inputs.values()
+            np.testing.assert_array_equal(theirs.inputs["x"], pixels)
+
+
 @pytest.fixture(scope="module")
 def mobilenet():
     """Keras' MobileNetV2 (random weights, alpha 0.35, 32x32) in a
