@@ -374,7 +374,7 @@ def test_onnx_exports_of_the_twins_give_the_torch_masks(build):
 
     import onnxruntime
 
-    import amanda.runtime.onnx   # the ONNX graph pass
+    import amanda.runtime.onnx  # the ONNX graph pass
     net = build()
     channels = 3 if isinstance(net, torch.nn.Sequential) else 2
     x = torch.from_numpy(np.random.default_rng(8).standard_normal(
