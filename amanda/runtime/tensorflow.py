@@ -234,6 +234,7 @@ class _GraphRewrite:
         self.final = {}             # user tensor name -> what consumers read in the copy
         self.last_after = {}        # op name -> its last after-routine that passes no tensor
         self._bare_after = set()    # names of those routines
+        self._bare_before = {}      # op name -> its before-routines that pass no tensor
         self._control_users = None  # op name -> copy ops having it as control input
 
     def refresh(self, probe=None):
@@ -405,9 +406,15 @@ class _GraphRewrite:
         """
         if kind.startswith("before"):
             target._add_control_input(routine)
+            self._bare_before.setdefault(target.name, []).append(routine)
             return
         previous = self.last_after.get(target.name, target)
         routine._add_control_input(previous)
+        # also wait on the op's own before-routines directly: Grappler may
+        # remove the op (a no-op Reshape, say) and hand its control edges to
+        # its inputs, which would let the after-routine run first
+        for before in self._bare_before.get(target.name, ()):
+            routine._add_control_input(before)
         waiting = [c for output in target.outputs for c in output.consumers()]
         waiting += self._waiting_on(target)
         for op in waiting:

@@ -83,3 +83,26 @@ def test_chrome_trace_lanes_never_overlap(trained, tmp_path):
         lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in ops if e["tid"] == tid)
         assert all(a[1] <= b[0] + 1e-6 for a, b in zip(lane, lane[1:]))
     assert "tensorflow" in trace["traceEvents"][0]["args"]["name"]
+
+
+def test_after_routines_wait_on_the_ops_before_routines(keras_cnn_graph):
+    """Routines that pass no tensor are ordered by control edges; an op's
+    after-routine waits on its before-routine directly, so the order holds
+    even where TF's graph optimiser removes the op itself (a no-op Reshape)."""
+    from amanda.runtime.tensorflow import current_rewrite
+    model = keras_cnn_graph()
+    image = np.random.default_rng(0).random((2, 16, 16, 3), np.float32)
+    with tf.compat.v1.Session(graph=model.graph) as session:
+        session.run(model.init)
+        with amanda.apply(OpProfiler()):
+            session.run(model.loss, {model.x: image})
+            copy = current_rewrite(session).copy
+    checked = 0
+    for op in copy.get_operations():
+        befores = [c for c in op.control_inputs if c.name.startswith("amanda/before")]
+        afters = [a for a in copy.get_operations()
+                  if a.name.startswith("amanda/after") and op in a.control_inputs]
+        for after in afters:
+            assert set(befores) <= set(after.control_inputs), (op.name, after.name)
+            checked += bool(befores)
+    assert checked > 20
