@@ -39,6 +39,7 @@ from collections import Counter, defaultdict
 
 import amanda
 from amanda.tools import mapping_rules
+from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
 __all__ = ["BACKWARD_TYPES", "CONV_TYPES", "FORMULAS", "MATMUL_TYPES", "ZERO_FLOP_TYPES",
@@ -112,20 +113,10 @@ def _numel(shape):
 
 def _shape(tensor):
     """A tensor's fully known shape as a tuple of ints, or None."""
-    shape = getattr(tensor, "shape", None)
-    if shape is None:
+    if getattr(tensor, "shape", None) is None:
         return _onnx_shape(tensor)
-    try:
-        dims = tuple(shape)
-    except TypeError:  # a TF TensorShape of unknown rank
-        return None
-    result = []
-    for d in dims:
-        d = getattr(d, "value", d)  # TF1 Dimension
-        if d is None:
-            return None
-        result.append(int(d))
-    return tuple(result)
+    known = dims(tensor)
+    return None if known is None or None in known else tuple(known)
 
 
 def _onnx_shape(value):
@@ -135,12 +126,12 @@ def _onnx_shape(value):
     if tensor_type is None or not value.type.HasField("tensor_type") \
             or not tensor_type.HasField("shape"):
         return None
-    dims = []
+    sizes = []
     for d in tensor_type.shape.dim:
         if not d.HasField("dim_value"):
             return None
-        dims.append(int(d.dim_value))
-    return tuple(dims)
+        sizes.append(int(d.dim_value))
+    return tuple(sizes)
 
 
 def _onnx_attr(node, name, default=0):

@@ -54,6 +54,7 @@ from collections import defaultdict
 import amanda
 from amanda.errors import AmandaError
 from amanda.tools import mapping_rules
+from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
 __all__ = ["OpProfiler", "OpInfo", "RANGE_PREFIX"]
@@ -116,24 +117,8 @@ class OpInfo:
         return f"<OpInfo {self.phase} {self.name} id={self.key} module={self.module!r}>"
 
 
-def _shape(value):
-    """A tensor's shape as a list (None for unknown dims), None for non-tensors."""
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        return None
-    try:
-        dims = list(shape)
-    except TypeError:   # a TF TensorShape of unknown rank
-        return None
-    result = []
-    for d in dims:
-        d = getattr(d, "value", d)   # TF1 Dimension
-        result.append(None if d is None else int(d))
-    return result
-
-
 def _shapes(values):
-    return [_shape(v) for v in values or ()]
+    return [dims(v) for v in values or ()]
 
 
 def _tf_scope(name):
