@@ -45,6 +45,7 @@ from amanda.errors import BackendError
 from amanda.frontends.pytorch_graph import NAMESPACE, decode_args, lift_exported_program, resolve_target
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.runtime.pytorch import _StraightThrough
 from amanda.runtime.routines import call_routine
 
 __all__ = ["NAMESPACE", "CapturedProgram", "capture", "lower_to_graph_module"]
@@ -331,18 +332,6 @@ def _is_portable(func):
     except ImportError:
         return False
     return portable.is_portable(func)
-
-
-class _StraightThrough(torch.autograd.Function):
-    """Forward: the routine's value; backward: the gradient goes to the original."""
-
-    @staticmethod
-    def forward(ctx, original, replacement):
-        return replacement
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _RoutineCall:
