@@ -64,7 +64,7 @@ class OpContext(dict):
     __slots__ = ("namespace", "_op", "_op_id", "_op_name", "_inputs", "_outputs",
                  "_backward_op", "_backward_op_id", "_grad_outputs", "_grad_inputs",
                  "_is_backward", "_actions", "_ir_op", "_graph", "_module_path",
-                 "_tool", "_routine")
+                 "_tool", "_routine", "_recording")
 
     def __init__(self, namespace, op, op_id, op_name, *, backward_op=None,
                  backward_op_id=None, module_path=None, parent=None):
@@ -84,6 +84,7 @@ class OpContext(dict):
         self._graph = None
         self._tool = None
         self._routine = None
+        self._recording = False
 
     # -- inspection --------------------------------------------------------
     def get_op(self):
@@ -190,6 +191,10 @@ class OpContext(dict):
         self._record(REPLACE_BACKWARD, func, grad_outputs, kwargs)
 
     def _record(self, kind, func, positions, kwargs):
+        if not self._recording:
+            raise self._error(f"{kind}: actions can only be recorded while an analysis "
+                              "routine runs on this context; this context's analysis is over "
+                              "(was it kept and used later?)")
         if not callable(func):
             raise self._error(f"{kind}: the instrumentation routine must be callable, got {func!r}")
         allowed = BACKWARD_KINDS if self._is_backward else FORWARD_KINDS

@@ -169,16 +169,22 @@ class Session:
         Tool exceptions become :class:`ToolError` naming tool, routine, op and
         namespace, with the original exception chained.
         """
-        for tool, routine in self.routines[point]:
-            context._tool, context._routine = tool, routine
-            try:
-                routine(context)
-            except AmandaError:
-                raise
-            except Exception as exc:
-                raise ToolError(f"analysis routine raised {type(exc).__name__}: {exc}",
-                                tool=tool, routine=routine, op_name=context._op_name,
-                                op_id=context._op_id, namespace=context.namespace) from exc
+        context._recording = True
+        try:
+            for tool, routine in self.routines[point]:
+                context._tool, context._routine = tool, routine
+                try:
+                    routine(context)
+                except AmandaError:
+                    raise
+                except Exception as exc:
+                    raise ToolError(f"analysis routine raised {type(exc).__name__}: {exc}",
+                                    tool=tool, routine=routine, op_name=context._op_name,
+                                    op_id=context._op_id, namespace=context.namespace) from exc
+        finally:
+            # Actions are recorded only while analysis runs: a context kept
+            # and used later raises instead of dropping what it records.
+            context._recording = False
 
 
 def session_for(tools):

@@ -22,7 +22,7 @@ def select(values, positions, action, where):
                      f"{len(values)} such tensors") from None
 
 
-def call_routine(action, selected, is_tensor, where):
+def call_routine(action, selected, is_tensor, where, meta=None):
     """Run ``action.func`` on ``selected`` and return the replacements.
 
     Args:
@@ -30,6 +30,9 @@ def call_routine(action, selected, is_tensor, where):
         selected: the selected tensors.
         is_tensor: predicate recognising the backend's tensors.
         where: ``(op_name, op_id, namespace)`` for error messages.
+        meta: ``meta(tensor) -> (shape, dtype)`` of the backend's tensors;
+            when given, every replacement must have the metadata of the
+            tensor it replaces (see :func:`check_replacements`).
 
     Returns:
         None when the routine observes only, else a list with one entry per
@@ -57,8 +60,8 @@ def call_routine(action, selected, is_tensor, where):
         if len(selected) != 1:
             raise _error(action, where, f"returned one tensor but {len(selected)} tensors "
                          "were selected; return a sequence of that length or None")
-        return [result]
-    if isinstance(result, (tuple, list)):
+        result = [result]
+    elif isinstance(result, (tuple, list)):
         if len(result) != len(selected):
             raise _error(action, where, f"returned {len(result)} values for "
                          f"{len(selected)} selected tensors")
@@ -66,9 +69,31 @@ def call_routine(action, selected, is_tensor, where):
             if value is not None and not is_tensor(value):
                 raise _error(action, where, "returned a sequence containing "
                              f"{type(value).__name__}; expected tensors or None")
-        return list(result)
-    raise _error(action, where, f"returned {type(result).__name__}; expected None, a tensor "
-                 "or a sequence of tensors")
+        result = list(result)
+    else:
+        raise _error(action, where, f"returned {type(result).__name__}; expected None, a "
+                     "tensor or a sequence of tensors")
+    if meta is not None:
+        check_replacements(action, selected, result, meta, where)
+    return result
+
+
+def check_replacements(action, selected, replacements, meta, where, what="returned"):
+    """Raise unless each replacement has the shape and dtype of the tensor it
+    replaces (``None`` entries keep the original and are not checked).
+
+    Metadata only: no data is read, so the check costs the same whatever the
+    tensors' sizes.
+    """
+    for position, (new, old) in enumerate(zip(replacements, selected)):
+        if new is None or new is old:
+            continue
+        got, want = meta(new), meta(old)
+        if got != want:
+            raise _error(action, where, f"{what} a tensor of shape {list(got[0])} and dtype "
+                         f"{got[1]} at selected position {position}, replacing one of shape "
+                         f"{list(want[0])} and dtype {want[1]}; a routine must keep the "
+                         "shape and dtype of the tensor it replaces")
 
 
 def _error(action, where, message):
