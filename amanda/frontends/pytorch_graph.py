@@ -11,7 +11,9 @@ operator's name without namespace and overload (``conv2d``, ``batch_norm``,
 (``quantized_decomposed.quantize_per_tensor``). Attrs:
 
 * ``target``: the qualified overload, ``"aten.conv2d.default"`` (or
-  ``"operator.add"`` for a Python function), resolved again when lowering;
+  ``"operator.add"`` for a Python function), resolved again when lowering,
+  only within the table of `amanda.frontends.pytorch_targets` (a graph read
+  from a file naming anything else is refused when it is read);
 * ``args`` / ``kwargs``: the call's arguments as JSON-able data in which the
   ``k``-th tensor input appears as ``{"$input": k}`` and dtypes, devices, memory
   formats and layouts as ``{"$dtype": "float32"}`` and the like;
@@ -31,13 +33,14 @@ The namespace is ``"pytorch/<version>/graph"``.
 
 from __future__ import annotations
 
-import importlib
 import operator
 
 import torch
 
 from amanda.errors import BackendError
-from amanda.ir import Graph
+from amanda.frontends import pytorch_targets  # noqa: F401 - registers the table of call targets
+from amanda.ir import Graph, IRError
+from amanda.ir.targets import resolve_target as _resolve_in_table
 
 __all__ = ["NAMESPACE", "decode_args", "encode_args", "lift_exported_program", "lift_fx_graph",
            "op_type_of", "resolve_target", "target_name"]
@@ -47,15 +50,28 @@ NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/graph"
 
 _MARKERS = {torch.dtype: "$dtype", torch.device: "$device", torch.memory_format: "$memory_format",
             torch.layout: "$layout"}
+# markers decoded by name lookup in torch, with the type the value must have
+_MARKER_KINDS = {"$dtype": torch.dtype, "$memory_format": torch.memory_format, "$layout": torch.layout}
 
 
 def target_name(target):
-    """The qualified name of a call target: ``"aten.conv2d.default"``, ``"operator.getitem"``."""
+    """The qualified name of a call target: ``"aten.conv2d.default"``, ``"operator.getitem"``.
+
+    Native functions are named where users find them (``"torch.relu"``,
+    ``"torch.Tensor.add"``), which is also how the table of call targets
+    (`amanda.frontends.pytorch_targets`) lists them.
+    """
     if isinstance(target, torch._ops.OpOverload):
         namespace, name = target.name().split("::")
         return f"{namespace}.{name.split('.')[0]}.{target._overloadname}"
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"higher_order.{target.__name__}"
+    name = getattr(target, "__name__", None)
+    if isinstance(name, str):
+        if getattr(torch._C.TensorBase, name, None) is target or getattr(torch.Tensor, name, None) is target:
+            return f"torch.Tensor.{name}"
+        if getattr(torch, name, None) is target:
+            return f"torch.{name}"
     module = getattr(target, "__module__", None) or ""
     if module == "_operator":
         module = "operator"
@@ -71,29 +87,24 @@ def op_type_of(target):
     return getattr(target, "__name__", str(target))
 
 
-def resolve_target(name):
-    """Inverts `target_name`.
+def resolve_target(name, op=None):
+    """Inverts `target_name`, within the table of `amanda.frontends.pytorch_targets`.
+
+    The name may come from a graph file, so it is never imported or walked
+    freely: only the operators of the table resolve.
+
+    Args:
+        name: the qualified target name.
+        op: the IR op naming it, for the message (optional).
 
     Raises:
-        BackendError: the name resolves to nothing.
+        BackendError: the name is not in the table (the message names the op
+            and the target).
     """
-    parts = name.split(".")
     try:
-        if parts[0] == "higher_order":
-            return getattr(torch.ops.higher_order, parts[1])
-        if len(parts) == 3 and hasattr(torch.ops, parts[0]) and parts[0] not in ("operator", "math", "torch"):
-            return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
-        for split in range(len(parts) - 1, 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:split]))
-            except ImportError:
-                continue
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-            return obj
-    except AttributeError:
-        pass
-    raise BackendError(f"cannot resolve the call target {name!r} of a PyTorch graph op")
+        return _resolve_in_table(NAMESPACE, name, op)
+    except IRError as error:
+        raise BackendError(f"cannot resolve the call target of a PyTorch graph op: {error}") from None
 
 
 def encode_args(value, tensor_index):
@@ -121,22 +132,37 @@ def encode_args(value, tensor_index):
 
 
 def decode_args(data, inputs):
-    """Inverts `encode_args`: ``{"$input": k}`` becomes ``inputs[k]``."""
+    """Inverts `encode_args`: ``{"$input": k}`` becomes ``inputs[k]``.
+
+    Markers name only values of their own kind (``{"$dtype": "load"}`` is not
+    ``torch.load``), since the data may come from a graph file.
+
+    Raises:
+        BackendError: a marker names something that is not a value of its kind,
+            or an input position is out of range.
+    """
     if isinstance(data, list):
         return [decode_args(v, inputs) for v in data]
     if isinstance(data, dict):
         if len(data) == 1:
             (key, inner), = data.items()
             if key == "$input":
+                if not isinstance(inner, int) or isinstance(inner, bool) or not 0 <= inner < len(inputs):
+                    raise BackendError(f"argument marker {data!r} refers to no input of the op")
                 return inputs[inner]
-            if key == "$dtype":
-                return getattr(torch, inner)
             if key == "$device":
-                return torch.device(inner)
-            if key == "$memory_format":
-                return getattr(torch, inner)
-            if key == "$layout":
-                return getattr(torch, inner)
+                if not isinstance(inner, str):
+                    raise BackendError(f"argument marker {data!r} is not a device name")
+                try:
+                    return torch.device(inner)
+                except (RuntimeError, ValueError) as error:
+                    raise BackendError(f"argument marker {data!r} is not a device: {error}") from None
+            kind = _MARKER_KINDS.get(key)
+            if kind is not None:
+                value = getattr(torch, inner, None) if isinstance(inner, str) and inner.isidentifier() else None
+                if not isinstance(value, kind):
+                    raise BackendError(f"argument marker {data!r} names no torch.{kind.__name__}")
+                return value
         return {k: decode_args(v, inputs) for k, v in data.items()}
     return data
 

@@ -14,11 +14,17 @@ Format (version 1)::
 Tensors are referenced by name and control inputs by op name; both are unique in a
 verified graph. Attr values are encoded as described in `amanda.ir.attrs`; a
 nested graph is stored whole under a ``$graph`` marker.
+
+A graph file is data: reading one never imports or evaluates a name it holds.
+An op naming a Python callable (``attrs["target"]`` of a captured PyTorch op)
+is checked against the explicit table of its namespace when the file is read,
+see `amanda.ir.targets`; a name outside the table is an `IRError` then.
 """
 
 from .attrs import copy_attrs, decode_attrs, encode_attrs
 from .errors import IRError
 from .graph import Graph
+from .targets import check_targets
 
 FORMAT = "amanda.ir.graph"
 FORMAT_VERSION = 1
@@ -61,13 +67,16 @@ def graph_from_json(data):
 
     Raises:
         IRError: The data is not an amanda IR graph, has an unsupported format
-            version, or refers to an unknown tensor or op.
+            version, refers to an unknown tensor or op, or an op names a call
+            target outside the table of its namespace (`amanda.ir.targets`).
     """
     _check_header(data)
     try:
-        return _decode_graph(data)
-    except (KeyError, TypeError, ValueError) as error:
+        graph = _decode_graph(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise IRError(f"malformed amanda IR graph JSON: {error!r}") from error
+    check_targets(graph)
+    return graph
 
 
 def copy_graph(graph):

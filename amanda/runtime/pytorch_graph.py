@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.pytorch_graph import NAMESPACE, decode_args, lift_exported_program, resolve_target
+from amanda.frontends.pytorch_targets import check_attr_path
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime.pytorch import _StraightThrough
@@ -230,9 +231,24 @@ class CapturedProgram:
 
 
 def _get_attr(module, path):
+    """The submodule, parameter, buffer or tensor attribute at ``path`` of ``module``.
+
+    The path comes from the graph (possibly a file), so it is walked through
+    submodules only and refused when a part is a dunder name: otherwise
+    ``"forward.__globals__"`` would hand the model's globals to the graph.
+    """
+    try:
+        check_attr_path(path)
+    except LookupError as error:
+        raise BackendError(str(error)) from None
+    value = module
     for part in path.split("."):
-        module = getattr(module, part)
-    return module
+        if not isinstance(value, torch.nn.Module):
+            raise BackendError(f"{path!r} walks through a {type(value).__name__}, not a submodule")
+        value = getattr(value, part)
+    if not isinstance(value, (torch.Tensor, torch.nn.Module, torch.ScriptObject)):
+        raise BackendError(f"{path!r} is a {type(value).__name__}, not a tensor or module")
+    return value
 
 
 def _has_forward_routines(session):
@@ -256,7 +272,7 @@ class TorchGraphBackend(GraphBackend):
         target = ir_op.attrs.get("target")
         if target is None:
             return ir_op
-        resolved = resolve_target(target)
+        resolved = resolve_target(target, ir_op)
         return getattr(resolved, "overloadpacket", resolved)
 
     def values(self, ir_tensors):
@@ -303,7 +319,7 @@ def _lower_call(fx_graph, op, env):
     if target_name is None:
         raise BackendError(f"op {op.name!r} ({op.type}) has no 'target' attr: PyTorch graph ops need the "
                            "qualified operator, e.g. 'aten.mul.Tensor'")
-    target = resolve_target(target_name)
+    target = resolve_target(target_name, op)  # only operators of the table, see pytorch_targets
     inputs = [env[id(t)] for t in op.inputs]
     args = tuple(decode_args(op.attrs.get("args", []), inputs))
     kwargs = decode_args(op.attrs.get("kwargs", {}), inputs)
@@ -318,7 +334,12 @@ def _lower_call(fx_graph, op, env):
 
 
 def _lower_routine(fx_graph, op, env):
-    action = op.attrs["action"]
+    action = op.attrs.get("action")
+    if not callable(getattr(action, "func", None)):
+        # read back from a file, the action is only its repr: routines are code and
+        # are never restored from a graph's data
+        raise BackendError(f"routine op {op.name!r} ({op.attrs.get('routine')}) has no routine to run: "
+                           "routines are not restored from graph files; instrument the graph again")
     call = _RoutineCall(action, op)
     inputs = [env[id(t)] for t in op.inputs]
     node = fx_graph.call_function(call, tuple(inputs))
