@@ -34,7 +34,9 @@ model's bytes. How it fits together and its limits: ``docs/onnx.md``.
 
 from __future__ import annotations
 
+import dis
 import hashlib
+import inspect
 import itertools
 import os
 import threading
@@ -624,11 +626,17 @@ class _Lowering:
         """Host a Python routine: ``AmandaPut`` nodes hand each tensor to
         Python, ``AmandaCall`` runs the routine, ``AmandaGet`` nodes produce
         its results. A token threads through them so they run in that order,
-        every run (custom Python ops are never constant-folded)."""
+        every run (custom Python ops are never constant-folded).
+
+        A routine that cannot replace anything (it only ever returns None, or
+        no tensor it selects reaches Python) is a *side branch*: its Put and
+        Call nodes read the tensors, nothing reads them back, and the
+        model's own dataflow is left as it was."""
         replacing = op.attrs["kind"].startswith("replace")
         inputs = list(op.inputs)
         in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
         hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        observe = not replacing and (not hosted or returns_only_none(action.func))
         if replacing:
             target = self.ops_by_name[op.attrs["target"]]
             out_types = [self.tensor_type(t)[0] for t in target.outputs]
@@ -637,6 +645,10 @@ class _Lowering:
                              f"hosted for tensors of {', '.join(sorted(_HOSTED_DTYPES))} "
                              f"(inputs {in_types}, outputs {out_types})")
             results = list(enumerate(out_types))
+        elif observe:
+            results = []
+            for tensor, source in zip(op.outputs, inputs):
+                self._alias(tensor, self.name(source))
         else:
             results = [(i, in_types[i]) for i in hosted]
             for i, tensor in enumerate(op.outputs):
@@ -644,18 +656,44 @@ class _Lowering:
                     self._alias(tensor, self.name(inputs[i]))
         out_dtypes = [d for _, d in results]
         key = _register_callback(_Callback(action, where, len(inputs), hosted, out_dtypes,
-                                           replacing))
+                                           replacing, observe))
         _catalog()
         base = f"amanda.routine/{where[1]}"
         token = self._trigger()
         for slot, i in enumerate(hosted):
             token = self._host_node(f"AmandaPut_{in_types[i]}", [self.name(inputs[i]), token],
                                     f"{base}/put", f"{key}:{slot}")
+        if not hosted:
+            token = self._order(op, token, base, key)
         token = self._host_node("AmandaCall", [token], f"{base}/call", key)
         for slot, (i, dtype) in enumerate(results):
             self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
                           f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
         self.uses_callbacks = True
+
+    def _order(self, op, token, base, key):
+        """Make a routine that receives no tensor wait for its op.
+
+        A before-routine waits for the op's computed inputs, an after-routine
+        for its outputs, so that (e.g.) a timer runs next to the op rather
+        than whenever the run starts. The chain reads only each tensor's
+        ``Size`` (an int64 scalar that onnxruntime does not fold for
+        computed tensors), never its data."""
+        target = self.ops_by_name.get(op.attrs["target"])
+        if target is None:
+            return token
+        kind = op.attrs["kind"]
+        tensors = target.outputs[:1] if kind.startswith("after") else target.inputs
+        for tensor in tensors:
+            attrs = tensor.attrs
+            if attrs.get("absent") or attrs.get("initializer") is not None \
+                    or self.tensor_type(tensor)[0] is None:
+                continue
+            size = self.fresh(f"{base}/order.size")
+            self.add_node("Size", [self.name(tensor)], [size], f"{base}/order")
+            token = self._host_node("AmandaPut_int64", [size, token], f"{base}/order",
+                                    f"{key}:{ORDER_SLOT}")
+        return token
 
     def _host_node(self, op_type, inputs, name, key):
         token = self.fresh(f"{name}.token")
@@ -667,6 +705,32 @@ class _Lowering:
         names = {t.name for t in self.graph_proto.initializer}
         name = next((n for n in names if n.startswith("amanda.trigger")), None)
         return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
+
+
+def returns_only_none(func):
+    """Whether ``func`` can only return None (its code has no other return).
+
+    Read from the bytecode, conservatively: a routine whose every ``return``
+    returns the constant None observes only, whatever it is called with, so
+    its results need not flow back into the graph. Anything else (another
+    return value, a generator, a callable without code) may replace.
+    """
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE
+                                        | inspect.CO_ASYNC_GENERATOR):
+        return False
+    previous = None
+    for instruction in dis.get_instructions(code):
+        name = instruction.opname
+        if name == "RETURN_CONST" and instruction.argval is not None:
+            return False
+        if name == "RETURN_VALUE" and (instruction.is_jump_target or previous is None
+                                       or previous.opname != "LOAD_CONST"
+                                       or previous.argval is not None):
+            return False
+        previous = instruction
+    return True
 
 
 def _collect_names(graph, names):
@@ -751,32 +815,85 @@ def _hosted_dtypes():
 
 
 _HOSTED_DTYPES = _hosted_dtypes()
-_CATALOG = {}          # op id (of the extensions) -> our op type
+_CATALOG = {}          # op id (of the extensions) -> (op definition, dtype of its output)
 _CALLBACKS = {}        # key attribute -> _Callback
-_STASH = {}            # key -> {slot: array} handed over by AmandaPut nodes this run
-_RESULTS = {}          # key -> list of arrays for AmandaGet nodes
 _KEYS = itertools.count(1)
 _LOCK = threading.Lock()
-_failures = []         # routine errors raised inside onnxruntime, to re-raise after run
-_TOKEN = np.zeros((), np.int64)
+
+# The hand-off. A routine's tensors travel AmandaPut -> AmandaCall ->
+# AmandaGet along a chain of int64 scalar *tokens*. Every chain starts at the
+# constant 0 ("amanda.trigger"); the first host node of a chain that sees 0
+# draws a fresh chain id and passes it on as its token, and everything the
+# chain stashes is keyed by that id. So concurrent runs of one session
+# (several Python threads, or onnxruntime's inter-op pool) never see each
+# other's tensors, and the hot path takes no lock: dict operations on
+# distinct keys and ``next`` on a counter are atomic under the GIL.
+_CHAINS = itertools.count(1)
+_STASH = {}            # chain id -> {slot: array} handed over by AmandaPut nodes
+_RESULTS = {}          # chain id -> {slot: array} left for AmandaGet nodes (each pops its own)
+#: Slot of an AmandaPut that only orders the chain after a tensor (the value
+#: is not handed to the routine).
+ORDER_SLOT = "order"
+
+# Routine errors met inside onnxruntime, raised again by the run that met
+# them: keyed by the thread that called ``run`` (onnxruntime's sequential
+# executor runs every node on it); errors met on a pool thread (parallel
+# execution mode) cannot be told apart and go to the next run that finishes.
+_failures = {}         # thread ident -> first error met during its current run
+_orphans = []          # errors met on threads that are not running a checked run
+_in_run = set()        # idents of threads inside a checked run
+
+
+def _chain(token):
+    chain = int(token)
+    return chain if chain else next(_CHAINS)
 
 
 def _put(value, token, key):
-    name, _, slot = key.rpartition(":")
-    _STASH.setdefault(name, {})[int(slot)] = value
-    return _TOKEN
+    chain = _chain(token)
+    slot = key.rpartition(":")[2]
+    if slot != ORDER_SLOT:
+        _STASH.setdefault(chain, {})[int(slot)] = value
+    return np.array(chain, np.int64)
 
 
 def _call(token, key):
-    arrays = _STASH.pop(key, {})
+    chain = _chain(token)
+    arrays = _STASH.pop(chain, {})
     callback = _CALLBACKS[key]
-    _RESULTS[key] = callback([arrays[i] for i in range(len(arrays))])
-    return _TOKEN
+    results = callback([arrays.get(i) for i in range(len(callback.hosted))])
+    if results:   # AmandaGet nodes follow and take them
+        _RESULTS[chain] = dict(enumerate(results))
+    return np.array(chain, np.int64)
 
 
 def _get(token, key):
-    name, _, slot = key.rpartition(":")
-    return _RESULTS[name][int(slot)]
+    chain = int(token)
+    results = _RESULTS[chain]
+    value = results.pop(int(key.rpartition(":")[2]))
+    if not results:
+        _RESULTS.pop(chain, None)
+    return value
+
+
+def _fail(error):
+    """Keep a routine error for the run that met it."""
+    ident = threading.get_ident()
+    if ident in _in_run:
+        _failures.setdefault(ident, error)
+    else:
+        with _LOCK:
+            _orphans.append(error)
+
+
+def _take_failure(ident):
+    failure = _failures.pop(ident, None)
+    if failure is None and _orphans:
+        with _LOCK:
+            if _orphans:
+                failure = _orphans[0]
+                _orphans.clear()
+    return failure
 
 
 def _catalog():
@@ -787,14 +904,15 @@ def _catalog():
         from onnxruntime_extensions import PyCustomOpDef, onnx_op
         key = {"key": PyCustomOpDef.dt_string}
         token = PyCustomOpDef.dt_int64
-        defs = [onnx_op(op_type="AmandaCall", inputs=[token], outputs=[token], attrs=key)(_call)]
+        defs = [(onnx_op(op_type="AmandaCall", inputs=[token], outputs=[token], attrs=key)(_call),
+                 "int64")]
         for dtype, code in _HOSTED_DTYPES.items():
-            defs.append(onnx_op(op_type=f"AmandaPut_{dtype}", inputs=[code, token],
-                                outputs=[token], attrs=key)(_put))
-            defs.append(onnx_op(op_type=f"AmandaGet_{dtype}", inputs=[token], outputs=[code],
-                                attrs=key)(_get))
-        for opdef in defs:
-            _CATALOG[opdef._id] = opdef
+            defs.append((onnx_op(op_type=f"AmandaPut_{dtype}", inputs=[code, token],
+                                 outputs=[token], attrs=key)(_put), "int64"))
+            defs.append((onnx_op(op_type=f"AmandaGet_{dtype}", inputs=[token], outputs=[code],
+                                 attrs=key)(_get), dtype))
+        for opdef, dtype in defs:
+            _CATALOG[opdef._id] = (opdef, np.dtype(dtype))
         _install_hook()
 
 
@@ -806,10 +924,18 @@ def _install_hook():
         return
 
     def invoke(op_id, feed, attributes):
-        opdef = _CATALOG.get(op_id)
-        if opdef is None:
+        entry = _CATALOG.get(op_id)
+        if entry is None:
             return _on_pyop_invocation(op_id, feed, attributes)
-        result = np.require(opdef.body(*feed, **attributes), requirements="C")
+        opdef, dtype = entry
+        try:
+            result = np.require(opdef.body(*feed, **attributes), requirements="C")
+        except BaseException as exc:   # noqa: BLE001 - an exception here aborts the process
+            error = BackendError(f"amanda's host op {opdef.op_type} ({attributes.get('key')}) "
+                                 f"failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            _fail(error)
+            result = np.zeros((), dtype)
         return op_id, result.shape, result.reshape(-1)
 
     PyCustomOpDef.install_hooker(invoke)
@@ -825,30 +951,53 @@ def _is_array(value):
     return isinstance(value, (np.ndarray, np.generic))
 
 
+def _meta(array):
+    """(shape, dtype) of a routine's argument or result, for replacement checks."""
+    array = np.asarray(array)
+    return tuple(array.shape), array.dtype.name
+
+
 class _Callback:
     """Calls one action's routine from inside onnxruntime.
 
     An exception must not cross into onnxruntime (the extensions' host
     aborts the process): it is kept, the inputs are passed on, and the run
     that called it raises it (see `inference_session`).
+
+    Args:
+        action, where: the action and ``(op type, op id, namespace)``.
+        count: how many tensors the routine selects.
+        hosted: positions among them that reach Python (others are None).
+        out_dtypes: dtypes of the results AmandaGet nodes produce.
+        replacing: the action replaces the op.
+        observe: the routine only looks: nothing reads its results (a side
+            branch of the graph), so it returns nothing to onnxruntime.
     """
 
-    def __init__(self, action, where, count, hosted, out_dtypes, replacing):
+    def __init__(self, action, where, count, hosted, out_dtypes, replacing, observe=False):
         self.action = action
         self.where = where
         self.count = count
         self.hosted = hosted
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.replacing = replacing
+        self.observe = observe
 
     def __call__(self, arrays):
         try:
             return self._run(arrays)
         except BaseException as exc:   # noqa: BLE001 - must not reach onnxruntime
-            error = exc if isinstance(exc, AmandaError) else _error(
-                self.action, self.where, f"failed: {type(exc).__name__}: {exc}")
-            with _LOCK:
-                _failures.append(error)
+            if isinstance(exc, AmandaError):
+                error = exc
+            else:
+                error = ToolError(f"instrumentation routine ({self.action.kind}) failed: "
+                                  f"{type(exc).__name__}: {exc}", tool=self.action.tool,
+                                  routine=self.action.func, op_name=self.where[0],
+                                  op_id=self.where[1], namespace=self.where[2])
+                error.__cause__ = exc
+            _fail(error)
+            if self.observe:
+                return None
             if self.replacing:
                 return [np.zeros((), d) for d in self.out_dtypes]
             return list(arrays)
@@ -860,40 +1009,55 @@ class _Callback:
             values = [None] * self.count
             for i, array in zip(self.hosted, arrays):
                 values[i] = array
-        result = call_routine(self.action, values, _is_array, self.where)
+        if self.observe:
+            call_routine(self.action, values, _is_array, self.where)
+            return None
         if self.replacing:
+            result = call_routine(self.action, values, _is_array, self.where)
             if result is None or any(r is None for r in result) or \
                     len(result) != len(self.out_dtypes):
-                raise _error(self.action, self.where, f"must return {len(self.out_dtypes)} "
-                             "arrays as it replaces the op")
-            return [np.asarray(r, dtype=d) for r, d in zip(result, self.out_dtypes)]
+                raise ToolError(f"instrumentation routine ({self.action.kind}) must return "
+                                f"{len(self.out_dtypes)} arrays as it replaces the op",
+                                tool=self.action.tool, routine=self.action.func,
+                                op_name=self.where[0], op_id=self.where[1],
+                                namespace=self.where[2])
+            for position, (r, d) in enumerate(zip(result, self.out_dtypes)):
+                if np.asarray(r).dtype != d:
+                    raise ToolError(f"instrumentation routine ({self.action.kind}) returned "
+                                    f"dtype {np.asarray(r).dtype} for output {position}, which "
+                                    f"has dtype {d}; a replacement keeps the dtype",
+                                    tool=self.action.tool, routine=self.action.func,
+                                    op_name=self.where[0], op_id=self.where[1],
+                                    namespace=self.where[2])
+            return [np.asarray(r) for r in result]
+        result = call_routine(self.action, values, _is_array, self.where, meta=_meta)
         if result is None:
             return list(arrays)
-        return [array if result[i] is None else np.asarray(result[i], dtype=d)
-                for i, array, d in zip(self.hosted, arrays, self.out_dtypes)]
-
-
-def _take_failure():
-    with _LOCK:
-        if not _failures:
-            return None
-        first = _failures[0]
-        _failures.clear()
-        return first
+        return [array if result[i] is None else np.asarray(result[i])
+                for i, array in zip(self.hosted, arrays)]
 
 
 def _checked_run(run):
-    """``run`` re-raising the first error a hosted routine met during it."""
+    """``run`` re-raising the first error a hosted routine met during it.
+
+    The routine's error is raised with its own cause chained; when
+    onnxruntime failed too (e.g. on a bad replacement), its error is the
+    context.
+    """
     def checked(*args, **kwargs):
-        _take_failure()
+        ident = threading.get_ident()
+        _failures.pop(ident, None)
+        _in_run.add(ident)
         try:
             result = run(*args, **kwargs)
-        except Exception as exc:
-            failure = _take_failure()
+        except Exception:
+            _in_run.discard(ident)
+            failure = _take_failure(ident)
             if failure is not None:
-                raise failure from exc
+                raise failure   # noqa: B904 - onnxruntime's error stays as __context__
             raise
-        failure = _take_failure()
+        _in_run.discard(ident)
+        failure = _take_failure(ident)
         if failure is not None:
             raise failure
         return result
