@@ -151,6 +151,8 @@ def check_targets(graph):
             op and the target), or the backend's `TargetResolver.check_graph`
             refused other data of the graph.
     """
+    if not _names_anything(graph):
+        return  # e.g. an eager trace: readable without loading any backend's table
     graph_resolver = resolver_for(graph.namespace)
     for op in graph:
         if op.type == ROUTINE or "target" not in op.attrs:
@@ -164,6 +166,12 @@ def check_targets(graph):
             graph_resolver.check_graph(graph)
         except LookupError as error:
             raise IRError(f"graph {graph.name!r}: {_reason(error)}") from None
+
+
+def _names_anything(graph):
+    """Whether the graph holds a name a backend could resolve (a call target or an attribute path)."""
+    return ("output_targets" in graph.attrs or any("target" in t.attrs for t in graph.inputs)
+            or any("target" in op.attrs and op.type != ROUTINE for op in graph))
 
 
 def _longest_prefix(table, namespace):
