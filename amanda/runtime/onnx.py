@@ -217,7 +217,7 @@ def _probing(probe):
 
 
 def _instrument(model, session, callbacks):
-    """(lowered ModelProto or None when nothing was recorded, uses callbacks?)."""
+    """(lowered ModelProto or None when nothing was recorded, its `_Lowering`)."""
     nodes = {}
     ir_graph = lift(model, nodes=nodes)
     state = controls.state
@@ -231,9 +231,9 @@ def _instrument(model, session, callbacks):
     if session.requires_graph:
         session.graph_completed(ir_graph)
     if not plan:
-        return None, False
+        return None, None
     lowering = _Lowering(lower_actions(ir_graph, plan), callbacks)
-    return lowering.model(), lowering.uses_callbacks
+    return lowering.model(), lowering
 
 
 def instrument_model(model, session):
@@ -320,6 +320,11 @@ class _Lowering:
         self.opset = next((v for d, v in self.opsets if d in ("", "ai.onnx")), 0)
         self.ir_version = min(meta.get("ir_version", onnx.IR_VERSION), MAX_IR_VERSION)
         self.uses_callbacks = False
+        # every routine is an observe-only Python callback at top level: the
+        # model's dataflow is untouched (see _SideBranches)
+        self.side_only = True
+        # some Python routine's results flow back into the model
+        self.inline = False
         self.names = {}
         self.used = set()
         _collect_names(graph, self.used)
@@ -418,6 +423,8 @@ class _Lowering:
             self._inputs(ir_graph, meta, proto)
             for op in ir_graph:
                 if op.type == ROUTINE:
+                    if ir_graph is not self.top:
+                        self.side_only = False
                     self._routine(op)
                 else:
                     self._node(op)
@@ -575,6 +582,7 @@ class _Lowering:
         where = (target.type if target is not None else None, op.attrs["target"],
                  self.top.namespace)
         if _is_portable(action.func):
+            self.side_only = False
             try:
                 return self._portable(op, action, where)
             except NotNative as why:
@@ -637,6 +645,9 @@ class _Lowering:
         in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
         hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
         observe = not replacing and (not hosted or returns_only_none(action.func))
+        if not observe:
+            self.side_only = False
+            self.inline = True
         if replacing:
             target = self.ops_by_name[op.attrs["target"]]
             out_types = [self.tensor_type(t)[0] for t in target.outputs]
@@ -689,11 +700,18 @@ class _Lowering:
             if attrs.get("absent") or attrs.get("initializer") is not None \
                     or self.tensor_type(tensor)[0] is None:
                 continue
+            name = self.order_name(tensor)
+            if name is None:
+                continue
             size = self.fresh(f"{base}/order.size")
-            self.add_node("Size", [self.name(tensor)], [size], f"{base}/order")
+            self.add_node("Size", [name], [size], f"{base}/order")
             token = self._host_node("AmandaPut_int64", [size, token], f"{base}/order",
                                     f"{key}:{ORDER_SLOT}")
         return token
+
+    def order_name(self, tensor):
+        """The name a routine that waits for ``tensor`` reads (None: do not wait)."""
+        return self.name(tensor)
 
     def _host_node(self, op_type, inputs, name, key):
         token = self.fresh(f"{name}.token")
@@ -705,6 +723,106 @@ class _Lowering:
         names = {t.name for t in self.graph_proto.initializer}
         name = next((n for n in names if n.startswith("amanda.trigger")), None)
         return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
+
+
+class _NotSide(Exception):
+    """A side branch cannot be attached to the optimised graph."""
+
+
+class _SideBranches(_Lowering):
+    """Observe-only routines attached to the graph onnxruntime optimised.
+
+    When every routine only looks, the model onnxruntime runs is the one it
+    optimised itself at the user's level (``optimized``), plus side
+    branches: the routines' Put/Call nodes read the optimised graph's
+    tensors by name, and nothing reads their results. Run with optimisations
+    off, the model's own nodes are exactly those the plain session runs, so
+    outputs are bit-identical. A tensor the optimiser fused away is
+    recomputed for the routine by a copy of the user's nodes that produce
+    it, off the main dataflow.
+
+    Args:
+        graph: the lowered IR graph (``amanda.routine`` ops in it).
+        model: the user's ``ModelProto``.
+        optimized: the ``ModelProto`` onnxruntime wrote after optimising it.
+    """
+
+    def __init__(self, graph, model, optimized):
+        super().__init__(graph, callbacks=True)
+        self.result = onnx.ModelProto()
+        self.result.CopyFrom(optimized)
+        proto = self.graph_proto = self.result.graph
+        # onnxruntime drops initializers it folded but keeps their graph
+        # inputs (IR < 4 lists every initializer as an input): give them
+        # their values back, or the model would require them as feeds
+        weights = {i.name: i for i in model.graph.initializer}
+        present = {i.name for i in proto.initializer}
+        for declared in proto.input:
+            if declared.name not in present and declared.name in weights:
+                proto.initializer.add().CopyFrom(weights[declared.name])
+        self.available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
+        for node in proto.node:
+            self.available.update(o for o in node.output if o)
+            self.used.add(node.name)
+        self.used |= self.available
+        self.producers = {o: n for n in model.graph.node for o in n.output if o}
+        self.weights = weights
+        self.recomputed = {}
+        self._new_initializers_as_inputs = False
+
+    def model(self):
+        self.ops_by_name = {op.name: op for op in self.top.ops}
+        for op in self.top:
+            if op.type == ROUTINE:
+                self._routine(op)
+        if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
+            self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
+        return self.result
+
+    def name(self, tensor):
+        name = self.names.get(tensor)
+        if name is None:
+            name = "" if tensor.attrs.get("absent") else self.resolve(tensor.name)
+            self.names[tensor] = name
+        return name
+
+    def order_name(self, tensor):
+        # waiting for a fused-away tensor would mean recomputing it: skip it
+        return tensor.name if tensor.name in self.available else None
+
+    def resolve(self, name):
+        """The name of the user's tensor ``name`` in the result, recomputing
+        it off the main dataflow when the optimiser removed it."""
+        if name in self.available:
+            return name
+        found = self.recomputed.get(name)
+        if found is not None:
+            return found
+        weight = self.weights.get(name)
+        if weight is not None:
+            copy = self.graph_proto.initializer.add()
+            copy.CopyFrom(weight)
+            copy.name = self.recomputed[name] = self.fresh(name)
+            return copy.name
+        node = self.producers.get(name)
+        if node is None or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                               for a in node.attribute):
+            raise _NotSide(name)
+        inputs = [self.resolve(i) if i else "" for i in node.input]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = self.fresh(f"{node.name or node.op_type}/amanda.recomputed")
+        del copy.input[:]
+        copy.input.extend(inputs)
+        outputs = []
+        for output in node.output:
+            if output:
+                self.recomputed[output] = self.fresh(f"{output}/amanda.recomputed")
+            outputs.append(self.recomputed.get(output, ""))
+        del copy.output[:]
+        copy.output.extend(outputs)
+        self.graph_proto.node.append(copy)
+        return self.recomputed[name]
 
 
 def returns_only_none(func):
@@ -1124,9 +1242,30 @@ def _model_bytes(source):
                        f"{type(source).__name__}")
 
 
+class _Instrumented:
+    """What a session inside ``apply`` runs for one model and tool set.
+
+    Attributes:
+        data: the model bytes to run when routines feed the model (or
+            nothing was recorded: the user's bytes).
+        callbacks: they host Python routines.
+        inline: some Python routine's results flow back into the model.
+        side: ``(lowered IR graph, user's ModelProto)`` when every routine
+            only looks (see `_SideBranches`), else None.
+        optimised: side-branch models by (optimisation level, providers).
+    """
+
+    def __init__(self, data, callbacks=False, inline=False, side=None):
+        self.data = data
+        self.callbacks = callbacks
+        self.inline = inline
+        self.side = side
+        self.optimised = {}
+
+
 def _instrumented(session, source):
-    """(model bytes to run, whether they host Python routines), cached per
-    amanda session by the SHA-256 of the model."""
+    """The `_Instrumented` model for ``source``, cached per amanda session by
+    the SHA-256 of the model."""
     data, model = _model_bytes(source)
     key = hashlib.sha256(data).hexdigest()
     cache = session.caches.setdefault("onnx", {})
@@ -1135,10 +1274,59 @@ def _instrumented(session, source):
         return hit
     if model is None:
         model = load_model(data)
-    lowered, callbacks = _instrument(model, session, callbacks=True)
-    hit = (data, False) if lowered is None else (lowered.SerializeToString(), callbacks)
+    lowered, lowering = _instrument(model, session, callbacks=True)
+    if lowered is None:
+        hit = _Instrumented(data)
+    else:
+        side = None
+        if lowering.side_only and lowering.uses_callbacks:
+            side = (lowering.top, model)
+        hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
+                            lowering.inline, side)
     cache[key] = hit
     return hit
+
+
+# Options are mutated for the span of a session's creation (the optimised
+# model's path, the optimisation level); sessions copy them when created.
+_OPTIONS_LOCK = threading.Lock()
+
+
+def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs):
+    """The user's model as onnxruntime optimises it with these options."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
+        path = os.path.join(folder, "optimised.onnx")
+        with _OPTIONS_LOCK:
+            saved = options.optimized_model_filepath, options.log_severity_level
+            options.optimized_model_filepath = path
+            # saving at level ALL warns that NCHWc layouts are machine-specific:
+            # the file never leaves this process
+            options.log_severity_level = 3
+            try:
+                _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
+                               options, providers, provider_options, **kwargs)
+            finally:
+                options.optimized_model_filepath, options.log_severity_level = saved
+        return onnx.load(path)
+
+
+def _side_branch_model(hit, options, providers, provider_options, kwargs):
+    """Bytes of the optimised model with the observe-only routines attached,
+    cached per optimisation level and providers; None if a routine reads a
+    tensor that cannot be recomputed (it then runs in the model's dataflow)."""
+    key = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
+    found = hit.optimised.get(key)
+    if found is None:
+        graph, model = hit.side
+        optimised = _optimised_by_onnxruntime(model.SerializeToString(), options, providers,
+                                              provider_options, kwargs)
+        try:
+            found = _SideBranches(graph, model, optimised).model().SerializeToString()
+        except _NotSide:
+            found = b""
+        hit.optimised[key] = found
+    return found or None
 
 
 def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
@@ -1147,12 +1335,35 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     if not sessions or controls.state.disabled:
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
-    data, callbacks = _instrumented(sessions[-1], path_or_bytes)
-    if callbacks:
-        sess_options = session_options(sess_options)
-    _original_init(self, data, sess_options, providers, provider_options, **kwargs)
-    if callbacks:
-        self.run = _checked_run(self.run)
+    hit = _instrumented(sessions[-1], path_or_bytes)
+    if not hit.callbacks:
+        return _original_init(self, hit.data, sess_options, providers, provider_options,
+                              **kwargs)
+    options = session_options(sess_options)
+    data = None
+    if hit.side is not None:
+        data = _side_branch_model(hit, options, providers, provider_options, kwargs)
+    if data is not None:
+        # the model is optimised already: optimising again could fuse the
+        # side branches into it
+        with _OPTIONS_LOCK:
+            level = options.graph_optimization_level
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            try:
+                _original_init(self, data, options, providers, provider_options, **kwargs)
+            finally:
+                options.graph_optimization_level = level
+    else:
+        if hit.inline and options.graph_optimization_level != \
+                ort.GraphOptimizationLevel.ORT_DISABLE_ALL:
+            warnings.warn(
+                "amanda: Python routines that may replace tensors sit between the model's "
+                "nodes; onnxruntime cannot fuse across them, so outputs may differ from the "
+                f"plain model's in the last bits at {options.graph_optimization_level.name} "
+                "(they are bit-identical at ORT_DISABLE_ALL; routines that only return None "
+                "never change outputs). See docs/onnx.md.", stacklevel=2)
+        _original_init(self, hit.data, options, providers, provider_options, **kwargs)
+    self.run = _checked_run(self.run)
 
 
 _patched_init.__wrapped__ = _original_init
