@@ -64,7 +64,7 @@ class OpContext(dict):
     __slots__ = ("namespace", "_op", "_op_id", "_op_name", "_inputs", "_outputs",
                  "_backward_op", "_backward_op_id", "_grad_outputs", "_grad_inputs",
                  "_is_backward", "_actions", "_ir_op", "_graph", "_module_path",
-                 "_tool", "_routine", "_recording")
+                 "_tool", "_routine", "_recording", "_recomputation")
 
     def __init__(self, namespace, op, op_id, op_name, *, backward_op=None,
                  backward_op_id=None, module_path=None, parent=None):
@@ -85,6 +85,7 @@ class OpContext(dict):
         self._tool = None
         self._routine = None
         self._recording = False
+        self._recomputation = False
 
     # -- inspection --------------------------------------------------------
     def get_op(self):
@@ -132,6 +133,13 @@ class OpContext(dict):
 
     def is_backward(self):
         return self._is_backward
+
+    def is_recomputation(self):
+        """Whether this execution of a forward op recomputes an earlier one
+        (activation checkpointing recomputes forward ops during backward).
+        A recomputed op has the id of its first execution and replays its
+        actions, so values stay those of the forward pass."""
+        return self._recomputation
 
     def get_module_path(self):
         """Dotted path of the innermost module running the op ("" for the

@@ -93,7 +93,7 @@ class EagerTrace:
             value.attrs.update(_tensor_attrs(tensor))
             self._values[id(tensor)] = (weakref.ref(tensor), value)
         if nodes:
-            self._add_backward(record, op, nodes)
+            self._add_backward(record, op, nodes, tensors)
         return op
 
     def _value_of(self, tensor, record):
@@ -111,10 +111,9 @@ class EagerTrace:
             self._values[id(tensor)] = (weakref.ref(tensor), value)
 
     # -- backward -----------------------------------------------------------
-    def _add_backward(self, record, forward_op, nodes):
+    def _add_backward(self, record, forward_op, nodes, inputs):
         start = len(self._backward)
-        for i, node in enumerate(nodes):
-            brec = record.backward_record(i, type(node).__name__)
+        for i, (node, brec) in enumerate(zip(nodes, record.backward_records(nodes, inputs))):
             self._backward.append(_PendingBackward(brec.name, brec.op_id, forward_op, start + i))
             node.metadata["amanda_trace"] = (self.token, start + i)
         for i, node in enumerate(nodes):

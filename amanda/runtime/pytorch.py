@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from amanda import controls
 from amanda.context import OpContext, take_actions
 from amanda.errors import ToolError
-from amanda.runtime.routines import call_routine, select
+from amanda.runtime.routines import call_routine, check_replacements, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
 
 NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/eager"
@@ -80,29 +80,66 @@ def _classify(func):
     return name
 
 
-# Code objects of torch and amanda's runtime: the calling site of an op is the
-# first frame outside them (amanda.models and tools are ordinary callers).
-# Keyed by id(): hashing a code object rehashes its constants on every call,
-# which is slow for large functions; the codes are kept alive here so their
-# ids stay valid.
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
-                 os.path.dirname(os.path.abspath(__file__)) + os.sep)   # amanda's runtime
-_LIBRARY_CODE = {}
+# What a frame's code is to the op it calls, keyed by id(code) (hashing a
+# code object rehashes its constants on every call, which is slow for large
+# functions; the codes are kept alive in _SEEN_CODE so their ids stay valid):
+_SITE = 1        # the op's calling site: user code, models, tools, torch.nn layers
+_LIBRARY = 2     # torch internals and amanda's runtime: the site is further up
+_MACHINERY = 3   # torch mechanisms (activation checkpointing) whose calls are not ops
+_BOUNDARY = 4    # nn.Module's call machinery: the site never lies above it
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+# torch's own layers (nn.Conv2d.forward...) are sites, so an op inside a torch
+# layer is identified from within it, never by the line that called the model.
+_LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
+_MACHINERY_FILES = (os.path.join(_TORCH_DIR, "utils", "checkpoint.py"),)
+_CODE_KIND = {}
 _SEEN_CODE = []
 
 
-def _is_library_code(code):
-    flag = _LIBRARY_CODE.get(id(code))
-    if flag is None:
+def _code_kind(code):
+    kind = _CODE_KIND.get(id(code))
+    if kind is None:
         _SEEN_CODE.append(code)
-        flag = _LIBRARY_CODE[id(code)] = code.co_filename.startswith(_LIBRARY_DIRS)
-    return flag
+        path = code.co_filename
+        if path == _MODULE_FILE:
+            kind = _BOUNDARY if code.co_name in ("_call_impl", "_wrapped_call_impl") \
+                else _LIBRARY
+        elif path in _MACHINERY_FILES:
+            kind = _MACHINERY
+        elif path.startswith(_LAYER_DIR):
+            kind = _SITE
+        else:
+            kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _SITE
+        _CODE_KIND[id(code)] = kind
+    return kind
+
+
+def _calling_site(frame):
+    """The frame that identifies an op called from ``frame``: the first one
+    outside torch's internals and amanda's runtime, but never above the
+    module call that runs it. None when torch's checkpointing machinery made
+    the call (not an op of the model)."""
+    kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
+    while kind is not _SITE and kind is not _BOUNDARY:
+        if kind is _MACHINERY:
+            return None
+        back = frame.f_back
+        if back is None:
+            break
+        back_kind = _CODE_KIND.get(id(back.f_code)) or _code_kind(back.f_code)
+        if back_kind is _BOUNDARY:
+            break        # a hook or helper called by Module.__call__: the site is here
+        frame, kind = back, back_kind
+    return frame
 
 
 class BackwardOp:
     """What ``OpContext.get_backward_op()`` returns in PyTorch: the autograd
     node's name (``ConvolutionBackward0``, ``AccumulateGrad``...) and its
-    position among the backward ops of its forward op. The live node is not
+    index among its forward op's backward ops of the same kind (``"inputN"`` for
+    the accumulator of the op's input N). The live node is not
     kept: a hook holding its own node would never be freed."""
 
     def __init__(self, name, index):
@@ -149,15 +186,9 @@ def _is_tensor(value):
 
 # -- per-op records ---------------------------------------------------------
 
-# Backward ops whose hooks were installed this many steps without ever running
-# are taken for dead (e.g. BERT's pooler when the loss reads only
-# last_hidden_state): their analysis is dropped so the forward op can go fast.
-_DEAD_AFTER = 3
-
-
 class _BackwardRecord:
     __slots__ = ("op_id", "name", "index", "parent", "context", "pre_done", "post_done",
-                 "before", "after", "replace", "unrun")
+                 "before", "after", "replace")
 
     def __init__(self, parent, index, name, session):
         self.parent = parent
@@ -168,17 +199,12 @@ class _BackwardRecord:
         self.pre_done = not session.routines[BACKWARD_BEFORE]
         self.post_done = not session.routines[BACKWARD_AFTER]
         self.before, self.after, self.replace = [], [], []
-        self.unrun = 0   # steps hooked for analysis without running
 
     def waiting(self):
-        """Whether analysis hooks are still worth installing on this op."""
-        if self.pre_done and self.post_done:
-            return False
-        self.unrun += 1
-        if self.unrun > _DEAD_AFTER:
-            self.pre_done = self.post_done = True
-            return False
-        return True
+        """Whether this backward op still waits for its analysis. (It waits
+        as long as it has not run: a backward op that runs only at some steps
+        is analysed when it first does.)"""
+        return not (self.pre_done and self.post_done)
 
     @property
     def idle(self):
@@ -188,7 +214,7 @@ class _BackwardRecord:
 class _OpRecord:
     __slots__ = ("op_id", "name", "func", "module_path", "context", "pre_done", "post_done",
                  "before", "after", "replace", "backward", "walked", "fast", "watch", "session",
-                 "where")
+                 "where", "nodes", "spec")
 
     def __init__(self, session, op_id, name, func, module_path):
         self.session = session
@@ -202,6 +228,8 @@ class _OpRecord:
         self.before, self.after, self.replace = [], [], []
         self.backward = {}      # (index, node name) -> _BackwardRecord
         self.walked = False     # backward ops discovered at least once
+        self.nodes = -1         # autograd nodes the op created when last walked (-1: never)
+        self.spec = None        # output structure, for checking replace_op results
         self.where = (name, op_id, NAMESPACE)   # for error messages
         self.refresh()
 
@@ -218,6 +246,10 @@ class _OpRecord:
         self.watch = self.needs_walk()
         self.fast = (self.pre_done and self.post_done and not self.before and not self.after
                      and not self.replace and not self.watch)
+        if self.fast and self.session.has_backward:
+            # Fast, but a change in the autograd nodes it creates (a weight
+            # unfrozen, an input that now requires grad) walks them again.
+            self.fast = _COUNT_NODES
 
     def get_context(self):
         if self.context is None:
@@ -232,11 +264,35 @@ class _OpRecord:
             record = self.backward[key] = _BackwardRecord(self, index, name, self.session)
         return record
 
+    def backward_records(self, nodes, inputs):
+        """The records of the autograd nodes this execution created.
+
+        A node is named by its kind and its occurrence among the op's nodes of
+        that kind; a gradient accumulator by the input it accumulates into.
+        Not by its position in the walk: activation checkpointing recomputes
+        an op on detached inputs, whose graph lacks or adds accumulators, and
+        the other nodes must keep their ids."""
+        seen, records = {}, []
+        for node in nodes:
+            name = type(node).__name__
+            index = None
+            if name == "AccumulateGrad":
+                variable = node.variable
+                index = next((f"input{p}" for p, t in enumerate(inputs) if t is variable), None)
+            if index is None:
+                index = seen.get(name, 0)
+                seen[name] = index + 1
+            records.append(self.backward_record(index, name))
+        return records
+
 
 def _stable_id(*parts):
     """A 63-bit id from text parts: the same in every run and process."""
     text = "\x1f".join(map(str, parts)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
+
+
+_COUNT_NODES = 2   # record.fast value: fast, counting the autograd nodes the op creates
 
 
 class _Cache:
@@ -246,7 +302,6 @@ class _Cache:
         self.session = session
         self.records = {}
         self.ids = {}          # op id -> site key, to keep ids distinct
-        self.settled_sequence = None  # module calls of a step with nothing to do
         self.trace = None
         if session.requires_graph:
             from amanda.frontends.pytorch import EagerTrace
@@ -257,15 +312,13 @@ class _Cache:
 # -- per-thread state ----------------------------------------------------------
 
 class _ThreadState:
-    """Per-thread driver state.
+    """Per-thread driver state: the modules being called and the occurrence
+    counts of the current step.
 
-    *Settling*: once a whole step (root module call to root module call) ran
-    with every op on the short path — analysed, no actions, no pending
-    backward analysis — the mode is popped and ops run at vanilla speed, as
-    the paper's action cache switches uninstrumented ops back to vanilla.
-    Module calls are still tracked: the first one that departs from the
-    settled step's sequence (a new code path), a disabled cache or another
-    tool set pushes the mode back at once.
+    There is no fast path that skips the mode: every torch call made inside
+    ``apply`` reaches ``_Mode.__torch_function__``, so a new op (a branch taken
+    for the first time, code outside modules, ops after a ``disabled()``
+    block) is always analysed. Ops with nothing to do cost a lookup.
     """
 
     def __init__(self):
@@ -275,63 +328,44 @@ class _ThreadState:
         self.modules = []       # weak references to the modules being called
         self.counts = {}        # site key -> occurrences in this step
         self.first_key = None   # first op outside modules in this step
-        self.settled = False
-        self.clean = False      # every op of this step took the short path
-        self.sequence = []      # module calls of this step (while not settled)
-        self.expected = []      # module calls of the settled step
-        self.position = 0
+        self.parents = {}       # id(module) -> stack above its last call this step
+        self.base = 0           # depth of the borrowed stack while recomputing
+        self.recomputing = False
 
     def new_step(self):
         self.counts.clear()
         self.first_key = None
-        if self.settled:
-            self.position = 0
-            return
-        self.remember_clean_step()
-        cache = self.cache
-        if cache.settled_sequence is not None and cache.trace is None and _CONTROLS.cache:
-            self.expected = cache.settled_sequence
-            self.position = 0
-            self.settle()
-        self.sequence = []
-        self.clean = True
+        self.parents.clear()
+        self.recomputing = False
 
-    def remember_clean_step(self):
-        """A step that ran entirely on the short path becomes the session's
-        settled sequence (kept across apply scopes of the same tools)."""
-        if self.clean and self.sequence and self.cache.trace is None and _CONTROLS.cache:
-            self.cache.settled_sequence = self.sequence
+    def recompute(self, module):
+        """A module called with no module around it during a backward pass:
+        activation checkpointing recomputes a forward segment. Its ops take
+        the module stack and the ids of their first execution: the stack is
+        the one the module had when the step called it, and occurrences are
+        counted afresh for the segment."""
+        base = self.parents.get(id(module))
+        self.modules[:] = base if base is not None else ()
+        self.base = len(self.modules)
+        if not self.recomputing:
+            self.recomputing = True
+            self.saved_counts, self.counts = self.counts, {}
+        else:
+            self.counts.clear()
+        self.first_key = None
+
+    def end_recompute(self):
+        if self.recomputing:
+            self.recomputing = False
+            self.counts = self.saved_counts
+            self.saved_counts = None
 
     def reset(self, cache):
         self.cache = cache
-        self.counts.clear()
-        self.first_key = None
+        self.end_recompute()
+        self.new_step()
         self.modules.clear()
-        self.settled = self.clean = False
-        self.sequence, self.expected, self.position = [], [], 0
-
-    def settle(self):
-        self.settled = True
-        self.mode.__exit__(None, None, None)
-
-    def unsettle(self):
-        if self.settled:
-            self.settled = False
-            self.mode.__enter__()
-        self.clean = False
-        self.cache.settled_sequence = None
-
-    def module_called(self, ref):
-        if not self.settled:
-            self.sequence.append(ref)
-            return
-        position = self.position
-        expected = self.expected
-        if position < len(expected) and expected[position] == ref and _CONTROLS.cache:
-            self.position = position + 1
-        else:
-            self.unsettle()   # a code path the settled step did not take
-            self.sequence.append(ref)
+        self.base = 0
 
 
 _tls = threading.local()
@@ -344,26 +378,45 @@ def _state():
     return st
 
 
+_in_backward = torch._C._current_graph_task_id
+
+
 def _module_pre_hook(module, args):
     """Global forward pre-hook while amanda is applied: keeps the stack of
     modules being called. (Wrapping ``nn.Module.__call__`` would be cheaper
     per call, but assigning a class attribute of ``nn.Module`` invalidates the
-    type caches of every subclass, which costs ~0.5 ms per apply scope.)"""
+    type caches of every subclass, which costs ~0.5 ms per apply scope.)
+
+    Module calls inside ``amanda.disabled()`` are not tracked: the code after
+    the block sees the same modules, steps and counts as if it had not run."""
     st = getattr(_tls, "state", None)
-    if st is None or not st.depth:
+    if st is None or not st.depth or _CONTROLS.disabled:
         return
+    if _COMPILE["prior"] is None and type(module).__name__ == "OptimizedModule":
+        with DRIVER._lock:
+            _compile_eagerly()     # compiled after apply was entered
     modules = st.modules
     if not modules:
-        st.new_step()  # a root module call starts a step
-    ref = weakref.ref(module)
-    st.module_called(ref)
-    modules.append(ref)
+        if _in_backward() != -1:
+            st.recompute(module)     # activation checkpointing in backward
+        else:
+            st.end_recompute()
+            st.new_step()            # a root module call starts a step
+    if not st.recomputing:
+        st.parents[id(module)] = modules[:]
+    modules.append(weakref.ref(module))
 
 
 def _module_post_hook(module, args, output):
     st = getattr(_tls, "state", None)
-    if st is not None and st.depth and st.modules:
-        st.modules.pop()
+    if st is None or not st.depth:
+        return
+    modules = st.modules
+    if modules and modules[-1]() is module:
+        modules.pop()
+        if st.recomputing and len(modules) == st.base:
+            modules.clear()          # the recomputed segment is over
+            st.base = 0
 
 
 # Module types that only wrap the user's model (amanda.export's call wrapper
@@ -423,40 +476,85 @@ class _Mode(TorchFunctionMode):
             name = _classify(func)
         if name is None or _CONTROLS.disabled:
             return func(*args, **kwargs)
+        frame = _calling_site(_getframe(1))
+        if frame is None:
+            return _machinery_call(func, args, kwargs)
         st = self.st
-        frame = _getframe(1)
-        flag = _LIBRARY_CODE.get(id(frame.f_code))
-        while flag or flag is None:  # up to the first frame outside torch and the runtime
-            if flag is None:
-                flag = _is_library_code(frame.f_code)
-                continue
-            if frame.f_back is None:
-                break
-            frame = frame.f_back
-            flag = _LIBRARY_CODE.get(id(frame.f_code))
         modules = st.modules
         key = (modules[-1] if modules else None, id(frame.f_code), frame.f_lasti, func)
         counts = st.counts
-        n = counts.get(key, 0)
         if not modules:
+            if st.recomputing and _in_backward() == -1:
+                st.end_recompute()
+                counts = st.counts
             if st.first_key is None:
                 st.first_key = key
-            elif n and key == st.first_key:  # code outside modules starts a new step
-                counts.clear()
-                n = 0
-        counts[key] = n + 1
+            elif key == st.first_key and key in counts:  # code outside modules starts a new step
+                st.new_step()
+                st.first_key = key
+        n = counts.get(key, 0)
         cache = st.cache
         record = cache.records.get((key, n))
         if record is None:
+            if func not in _PRODUCERS and not _has_tensor(args, kwargs):
+                return _first_call_without_tensors(st, cache, key, n, name, func, frame,
+                                                   args, kwargs)
             record = _new_record(st, cache, key, n, name, func, frame)
-        if record.fast and cache.trace is None and _CONTROLS.cache:
-            return func(*args, **kwargs)
-        st.clean = False
+        counts[key] = n + 1
+        fast = record.fast
+        if fast and cache.trace is None and _CONTROLS.cache:
+            if fast is True or not _grad_enabled():
+                return func(*args, **kwargs)
+            mark = _sequence_nr()
+            result = func(*args, **kwargs)
+            if _sequence_nr() - mark != record.nodes:
+                _walk_again(cache, record, args, kwargs, result, mark)
+            return result
         return _run_op(cache, record, func, args, kwargs)
 
 
+def _machinery_call(func, args, kwargs):
+    """A call made by torch's checkpointing machinery (not an op). The tensors
+    it makes (reentrant checkpointing's detached inputs) are marked, so their
+    gradient accumulators are not taken for backward ops of the model."""
+    result = func(*args, **kwargs)
+    for tensor in _flatten_outputs(result):
+        tensor._amanda_machinery = True
+    return result
+
+
+# Functions seen returning a tensor from no tensor arguments (factories).
+_PRODUCERS = set()
+
+
+def _has_tensor(args, kwargs):
+    for a in args:
+        if isinstance(a, _Tensor) or (isinstance(a, (list, tuple)) and
+                                      any(isinstance(b, _Tensor) for b in a)):
+            return True
+    return any(isinstance(a, _Tensor) for a in kwargs.values())
+
+
+def _first_call_without_tensors(st, cache, key, n, name, func, frame, args, kwargs):
+    """A call with no tensor argument may compute no tensor at all
+    (``torch._C._set_grad_enabled`` under ``torch.no_grad()``, profiler
+    ranges): such calls are not points. The first call of such a function is
+    made, then classified by its result: a function that returned no tensor
+    is never a point again; a factory (``torch.zeros``) is a point from now
+    on, and this first call gets its points around the result it computed."""
+    result = func(*args, **kwargs)
+    if not _flatten_outputs(result):
+        _FUNCS[func] = _NOT_A_POINT
+        if st.first_key == key and n == 0:
+            st.first_key = None
+        return result
+    _PRODUCERS.add(func)
+    record = _new_record(st, cache, key, n, name, func, frame)
+    st.counts[key] = n + 1
+    return _run_op(cache, record, func, args, kwargs, computed=result)
+
+
 def _new_record(st, cache, key, n, name, func, frame):
-    st.clean = False
     path = _module_path(st.modules)
     code = frame.f_code
     parts = [path, code.co_qualname, frame.f_lineno, name, n]
@@ -541,7 +639,11 @@ class _Exporting(threading.local):
 EXPORTING = _Exporting()
 
 
-def _invoke(action, selected, where):
+def _meta(tensor):
+    return (tensor.shape, tensor.dtype) if isinstance(tensor, _Tensor) else None
+
+
+def _invoke(action, selected, where, meta=_meta):
     """Run a routine with autodiff isolation unless it opted in. Amanda is
     disabled meanwhile: a routine's own torch calls are not instrumented
     (inside the mode's handler torch has popped the mode already; the flag
@@ -556,8 +658,8 @@ def _invoke(action, selected, where):
         guard = EXPORTING.guard
         if guard is not None:
             with guard(action, selected, where):
-                return call_routine(action, selected, _is_tensor, where)
-        return call_routine(action, selected, _is_tensor, where)
+                return call_routine(action, selected, _is_tensor, where, meta)
+        return call_routine(action, selected, _is_tensor, where, meta)
     finally:
         if switch:
             _set_grad_enabled(True)
@@ -596,7 +698,10 @@ def _analyse(session, point, context, record):
     take_actions(context, record)
 
 
-def _run_op(cache, record, func, args, kwargs):
+_NOTHING = object()
+
+
+def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     session = cache.session
     if not controls.state.cache:
         record = record.fresh()
@@ -607,6 +712,7 @@ def _run_op(cache, record, func, args, kwargs):
     if not record.pre_done:
         context = record.get_context()
         context._inputs = tensors
+        context._recomputation = _in_backward() != -1
         if trace is not None:
             context._graph = trace.graph
         try:
@@ -619,16 +725,26 @@ def _run_op(cache, record, func, args, kwargs):
     mark = _sequence_nr()
     if record.replace:
         action = record.replace[0]
+        if record.spec is None:
+            record.spec = _output_spec(func, args, kwargs)
         result = _replace(action, select(tensors, action.positions, action, where), where)
-    else:
+        result = _check_replacement(action, result, record.spec, where)
+    elif computed is _NOTHING:
         result = func(*args, **kwargs)
+    else:
+        result = computed
     outputs = _flatten_outputs(result)
+    if result is None:
+        # An in-place op that returns None (Tensor.__setitem__, _foreach_*_):
+        # its outputs are the tensors it modified, its first argument.
+        outputs = _modified_tensors(args)
     nodes = ()
     if (record.watch or cache.trace is not None) and _grad_enabled():
         nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
         record.walked = True
+        record.nodes = _sequence_nr() - mark
         if nodes:
-            _install_backward(session, record, nodes)
+            _install_backward(session, record, nodes, tensors)
     ir_op = trace.forward(record, func, args, kwargs, tensors, outputs, nodes) if trace else None
     if not record.post_done:
         context = record.get_context()
@@ -640,12 +756,107 @@ def _run_op(cache, record, func, args, kwargs):
         finally:
             context._inputs = context._outputs = None
         record.post_done = True
-    if record.after and outputs and _apply_actions(record.after, outputs, where):
+    if record.after and _apply_actions(record.after, outputs, where):
+        if result is None:
+            raise ToolError("an after-op routine replaced the tensor an in-place op modified; "
+                            "this op returns None, so there is no output to replace: "
+                            "return None from the routine", tool=record.after[0].tool,
+                            routine=record.after[0].func, op_name=where[0], op_id=where[1],
+                            namespace=where[2])
         result = _rebuild_outputs(result, outputs)
         if ir_op is not None:
             trace.alias(outputs, ir_op.outputs)
     record.refresh()
     return result
+
+
+def _walk_again(cache, record, args, kwargs, result, mark):
+    """The op created other autograd nodes than when it was last walked:
+    find them, so a backward op seen for the first time is analysed."""
+    nodes = _walk_new_nodes(_flatten_outputs(result), mark, (cache.session.token, record.op_id))
+    record.nodes = _sequence_nr() - mark
+    if nodes:
+        _install_backward(cache.session, record, nodes, _flatten(args, kwargs)[0])
+    record.refresh()
+
+
+def _modified_tensors(args):
+    first = args[0] if args else None
+    if isinstance(first, _Tensor):
+        return [first]
+    if isinstance(first, (list, tuple)):
+        return [t for t in first if isinstance(t, _Tensor)]
+    return []
+
+
+def _output_spec(func, args, kwargs):
+    """The structure of what ``func`` returns (a tensor, or a sequence with
+    tensor metadata or None per item), found by running it on meta tensors:
+    no data is read or written. None when the op cannot run on meta tensors
+    (data-dependent shapes, ops without meta kernels)."""
+    def to_meta(value):
+        if isinstance(value, _Tensor):
+            return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                       device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_meta(v) for v in value)
+        return value
+    try:
+        with torch.device("meta"):
+            result = func(*[to_meta(a) for a in args],
+                          **{k: to_meta(v) for k, v in kwargs.items()})
+    except Exception:
+        return None
+    if isinstance(result, _Tensor):
+        return (result.shape, result.dtype)
+    if isinstance(result, (list, tuple)):
+        return [(r.shape, r.dtype) if isinstance(r, _Tensor) else None for r in result]
+    return None
+
+
+def _check_replacement(action, result, spec, where):
+    """What a ``replace_op`` routine returned, checked against the op it
+    replaces: a tensor for a one-output op, a sequence of as many tensors for
+    a multi-output op, each with the shape and dtype the op would give."""
+    def fail(message):
+        op_name, op_id, namespace = where
+        return ToolError(f"replace_op routine {message}", tool=action.tool,
+                         routine=action.func, op_name=op_name, op_id=op_id,
+                         namespace=namespace)
+    if isinstance(spec, tuple):               # one output
+        if not isinstance(result, _Tensor):
+            raise fail(f"returned {_describe_value(result)}; the op returns one tensor "
+                       "(return a tensor, not a sequence)")
+        got, want = (result.shape, result.dtype), spec
+        if got != want and not _tracing():
+            raise fail(f"returned a tensor of shape {list(got[0])} and dtype {got[1]}; "
+                       f"the op returns shape {list(want[0])} and dtype {want[1]}")
+        return result
+    if isinstance(result, _Tensor):
+        if spec is None:
+            return result
+        raise fail(f"returned one tensor; the op returns {len(spec)} values")
+    if not isinstance(result, (list, tuple)) or not all(
+            isinstance(r, _Tensor) or r is None for r in result):
+        raise fail(f"returned {_describe_value(result)}; expected a tensor or a sequence "
+                   "of tensors")
+    if spec is not None:
+        if len(result) != len(spec):
+            raise fail(f"returned {len(result)} values; the op returns {len(spec)}")
+        for i, (r, want) in enumerate(zip(result, spec)):
+            got = (r.shape, r.dtype) if isinstance(r, _Tensor) else None
+            if got != want:
+                raise fail(f"returned {got} at position {i}; the op returns {want} there")
+    return result
+
+
+_tracing = torch._C._get_tracing_state   # torch.jit.trace (amanda.export): sizes are traced
+
+
+def _describe_value(value):
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else type(value).__name__
 
 
 def _replace(action, selected, where):
@@ -693,6 +904,8 @@ def _walk_new_nodes(outputs, mark, owner):
         seen.add(id(node))
         seq = node._sequence_nr()
         if seq == _ACCUMULATE:
+            if getattr(node.variable, "_amanda_machinery", False):
+                continue
             metadata = node.metadata
             claim = metadata.get("amanda")
             if claim is None or claim[0] != owner[0]:
@@ -709,9 +922,8 @@ def _walk_new_nodes(outputs, mark, owner):
     return found
 
 
-def _install_backward(session, record, nodes):
-    for index, node in enumerate(nodes):
-        brec = record.backward_record(index, type(node).__name__)
+def _install_backward(session, record, nodes, inputs):
+    for node, brec in zip(nodes, record.backward_records(nodes, inputs)):
         pending = brec.waiting()
         if not pending and not (brec.before or brec.after or brec.replace):
             continue
@@ -764,7 +976,6 @@ def _backward_pre(hooks, grad_outputs):
     session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
-    brec.unrun = 0
     if not brec.pre_done:
         context = _backward_context(brec)
         context._grad_outputs = grad_outputs
@@ -785,7 +996,6 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
     session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
         return None
-    brec.unrun = 0
     if not brec.post_done:
         context = _backward_context(brec)
         context._grad_outputs, context._grad_inputs = grad_outputs, grad_inputs
@@ -798,14 +1008,16 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
     values, changed = list(grad_inputs), False
     if brec.replace:
         action = brec.replace[0]
-        new = _invoke(action, select(list(grad_outputs), action.positions, action, _where(brec)),
-                      _where(brec))
+        where = _where(brec)
+        new = _invoke(action, select(list(grad_outputs), action.positions, action, where),
+                      where, meta=None)
         if new is not None:
             if len(new) != len(values):
                 raise ToolError(f"replace_backward_op routine returned {len(new)} gradients; "
                                 f"the backward op produces {len(values)}", tool=action.tool,
                                 routine=action.func, op_name=brec.name, op_id=brec.op_id,
                                 namespace=NAMESPACE)
+            check_replacements(action, values, new, _meta, where)
             values, changed = new, True
     if brec.after and _apply_actions(brec.after, values, _where(brec)):
         changed = True
@@ -842,7 +1054,6 @@ class TorchEagerDriver:
                 st.depth -= 1
                 raise
         else:
-            st.unsettle()   # other tools: intercept again
             st.cache = cache
 
     def exit(self, session, restored):
@@ -856,21 +1067,17 @@ class TorchEagerDriver:
 
     def _leave(self, st, restored):
         """Pop one scope: at the outermost, remove the mode and hooks."""
-        st.remember_clean_step()
         st.depth -= 1
         if st.depth == 0:
-            mode, settled = st.mode, st.settled
+            mode = st.mode
             st.reset(None)
             st.mode = None
             try:
-                if not settled:
-                    mode.__exit__(None, None, None)
+                mode.__exit__(None, None, None)
             finally:
                 self._remove_hooks()
         else:
-            st.unsettle()
             st.cache = restored.caches["pytorch"]
-            st.clean = False
 
     def _add_hooks(self):
         with self._lock:
@@ -881,6 +1088,9 @@ class TorchEagerDriver:
                     _torch_module.register_module_forward_hook(_module_post_hook,
                                                                always_call=True),
                 ]
+                _patch_engine()
+                if "torch._dynamo" in sys.modules:
+                    _compile_eagerly()
 
     def _remove_hooks(self):
         with self._lock:
@@ -889,6 +1099,66 @@ class TorchEagerDriver:
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []
+                _restore_engine()
+                _restore_compile()
+
+
+# -- the backward pass ------------------------------------------------------------
+
+# torch pops the mode while its handler runs a call, and ``backward()`` is
+# such a call: without help, the Python code autograd runs during backward
+# (activation checkpointing's recomputation, Python autograd functions, tensor
+# hooks) would run with no mode. While amanda is applied, the engine entry
+# that ``torch.autograd.backward``/``grad`` call pushes the thread's mode back
+# for the duration of the pass.
+_ENGINE = {"original": None}
+
+
+def _run_backward_seen(*args, **kwargs):
+    st = getattr(_tls, "state", None)
+    mode = st.mode if st is not None and st.depth else None
+    if mode is None or _CONTROLS.disabled or torch._C._is_torch_function_mode_enabled():
+        return _ENGINE["original"](*args, **kwargs)
+    with mode:
+        return _ENGINE["original"](*args, **kwargs)
+
+
+def _patch_engine():
+    import torch.autograd as autograd
+    _ENGINE["original"] = autograd._engine_run_backward
+    autograd._engine_run_backward = _run_backward_seen
+
+
+def _restore_engine():
+    import torch.autograd as autograd
+    if _ENGINE["original"] is not None:
+        autograd._engine_run_backward = _ENGINE["original"]
+        _ENGINE["original"] = None
+
+
+# -- torch.compile ----------------------------------------------------------------
+
+# While amanda is applied, compiled callables run their Python code eagerly,
+# so every op is seen (Dynamo would otherwise trace the mode's handler or run
+# graphs in which no op is an instrumentation point). Dynamo's stance is
+# process-wide: another thread's compiled code runs eagerly meanwhile too.
+_COMPILE = {"prior": None}
+
+
+def _compile_eagerly():
+    if _COMPILE["prior"] is not None:
+        return
+    from torch._dynamo import eval_frame
+    WRAPPER_MODULES.add(eval_frame.OptimizedModule)
+    _COMPILE["prior"] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+
+def _restore_compile():
+    prior = _COMPILE["prior"]
+    if prior is not None:
+        from torch._dynamo import eval_frame
+        eval_frame._set_stance(prior)
+        _COMPILE["prior"] = None
 
 
 DRIVER = TorchEagerDriver()
