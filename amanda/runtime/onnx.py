@@ -56,7 +56,7 @@ from amanda.runtime import swapped
 from amanda.runtime.onnx_portable import NotNative, PortableEmitter, elem_type
 from amanda.runtime.routines import call_routine
 
-__all__ = ["DRIVER", "evaluate", "example_feeds", "export", "inference_session",
+__all__ = ["DRIVER", "current_run", "evaluate", "example_feeds", "export", "inference_session",
            "instrument_model", "lower", "session_options"]
 
 #: Highest IR version onnxruntime 1.31 reads (onnx writes 14 by default).
@@ -1155,6 +1155,19 @@ class _Callback:
                 for i, array in zip(self.hosted, arrays)]
 
 
+_runs = threading.local()
+
+
+def current_run():
+    """``(thread ident, serial)`` of the run the calling thread is inside.
+
+    For routines that pair events within one run (e.g. a profiler's start
+    and stop): onnxruntime's sequential executor calls hosted routines on
+    the thread that called ``run``; the serial counts that thread's runs.
+    """
+    return threading.get_ident(), getattr(_runs, "serial", 0)
+
+
 def _checked_run(run):
     """``run`` re-raising the first error a hosted routine met during it.
 
@@ -1166,6 +1179,7 @@ def _checked_run(run):
         ident = threading.get_ident()
         _failures.pop(ident, None)
         _in_run.add(ident)
+        _runs.serial = getattr(_runs, "serial", 0) + 1
         try:
             result = run(*args, **kwargs)
         except Exception:

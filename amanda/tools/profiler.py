@@ -195,6 +195,15 @@ class OpProfiler(amanda.Tool):
         op_type = context.get("type") or context.get_op_name()
         info = self._new_info(FORWARD, op_type, op_type, context, self._module(context),
                               _shapes(context.get_inputs()), _producers(context.get_op()))
+        if context.namespace.startswith("onnx/"):
+            # onnxruntime orders a routine only by dataflow: the routines hand
+            # back the op's first input and output, so the op waits for the
+            # start routine and its consumers for the stop routine
+            inputs = context.get_inputs()
+            first = [0] if inputs and inputs[0] is not None else []
+            context.insert_before_op(self._onnx_start, inputs=first, info=info)
+            context.insert_after_op(self._onnx_stop, outputs=[0], info=info)
+            return
         context.insert_before_op(self._start, inputs=[], info=info)
         context.insert_after_op(self._stop, outputs=[], info=info)
 
@@ -215,6 +224,31 @@ class OpProfiler(amanda.Tool):
         return context.get_module_path()
 
     # -- instrumentation routines (observe only) ---------------------------------
+    def _onnx_start(self, *tensors, info):
+        self._open[(self._run(), info)] = self.clock()
+        return tensors   # handed back: the op waits for this routine
+
+    def _onnx_stop(self, *tensors, info):
+        # one session may run on several threads at once: pair start and
+        # stop within one run, and begin an op no earlier than the previous
+        # op's end in the same run (its start routine may have run while
+        # other ops still executed), so sequential events never overlap
+        end = self.clock()
+        run = self._run()
+        start = self._open.pop((run, info), None)
+        previous = self._ends.get(run)
+        self._ends[run] = end
+        if start is not None and start <= end:
+            if previous is not None and previous > start:
+                start = previous
+            self.events.append((info, start, end))
+        return tensors
+
+    @staticmethod
+    def _run():
+        from amanda.runtime.onnx import current_run
+        return current_run()
+
     def _start(self, *unused, info):
         record_function = self._record_function
         if record_function is not None:
