@@ -29,6 +29,9 @@ How it all fits together, and its limits, is in ``docs/tensorflow.md``.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import re
 import threading
 import warnings
 import weakref
@@ -36,14 +39,15 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.client import session as _tf_session
+from tensorflow.python.util import nest
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
 from amanda import controls, portable
-from amanda.errors import BackendError
+from amanda.errors import AmandaError, BackendError, ToolError
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime import swapped
-from amanda.runtime.routines import call_routine
+from amanda.runtime.routines import call_routine, check_replacements
 
 __all__ = ["NAMESPACE", "current_session", "evaluate"]
 
@@ -187,31 +191,203 @@ def _crosses_to_python(dtype):
     return not dtype._is_ref_dtype and dtype not in (tf.resource, tf.variant, tf.string)
 
 
-def _callback(action, where, count, hosted, dtypes, replacing):
-    """The function a routine op runs: NumPy arrays in (None where a tensor
-    cannot leave TensorFlow, e.g. a resource handle), NumPy arrays out."""
+def _read_only(array):
+    """A view the routine cannot write through: the array may share memory
+    with a TensorFlow buffer (a variable's, even), which an in-place update
+    would silently change for every other reader."""
+    if isinstance(array, np.ndarray) and array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+def _meta(array):
+    return tuple(array.shape), array.dtype
+
+
+def _tool_error(action, where, message):
+    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
+                     routine=action.func, op_name=where[0], op_id=where[1], namespace=where[2])
+
+
+# A routine's error is raised on one of TensorFlow's threads and comes back as
+# an UnknownError carrying only its text; the error itself waits here, under a
+# token named in that text, until Session.run or the function call re-raises it.
+_failures = {}
+_failures_lock = threading.Lock()
+_failure_tokens = itertools.count()
+_FAILURE_MARK = "amanda-routine-failure-"
+
+
+class _RoutineFailed(Exception):
+    """What a hosted callback raises into TensorFlow (see `_surface`)."""
+
+
+def _failed(error):
+    with _failures_lock:
+        while len(_failures) >= 256:   # failures nobody re-raised (e.g. a GraphDef run by hand)
+            _failures.pop(next(iter(_failures)))
+        token = next(_failure_tokens)
+        _failures[token] = error
+    return _RoutineFailed(f"{_FAILURE_MARK}{token}: {error}")
+
+
+@contextlib.contextmanager
+def _surface():
+    """Turn the TensorFlow error that a failing hosted routine caused back
+    into the amanda error it raised (with the routine's exception as its
+    ``__cause__``); other TensorFlow errors pass unchanged."""
+    try:
+        yield
+    except tf.errors.OpError as exc:
+        match = _FAILURE_RE.search(exc.message or "")
+        if match is None:
+            raise
+        with _failures_lock:
+            error = _failures.pop(int(match.group(1)), None)
+        if error is None:
+            raise
+        cause = error.__cause__
+        if cause is None:
+            raise error from exc
+        _keep_cause(error, cause)
+        raise error from cause
+
+
+class _CauseKept:
+    """Keeps an error's ``__cause__`` readable after ``tf.function``'s
+    traceback filter re-raises it ``from None`` (which clears it)."""
+
+    @property
+    def __cause__(self):
+        cause = BaseException.__cause__.__get__(self)
+        return cause if cause is not None else self._amanda_cause
+
+    @__cause__.setter
+    def __cause__(self, value):
+        BaseException.__cause__.__set__(self, value)
+
+
+_cause_kept_types = {}
+
+
+def _keep_cause(error, cause):
+    kind = type(error)
+    if not issubclass(kind, _CauseKept):
+        kept = _cause_kept_types.get(kind)
+        if kept is None:
+            kept = _cause_kept_types[kind] = type(kind.__name__, (_CauseKept, kind),
+                                                  {"__module__": kind.__module__})
+        error.__class__ = kept
+    error._amanda_cause = cause
+
+
+_FAILURE_RE = re.compile(_FAILURE_MARK + r"(\d+)")
+
+
+def _hosting(action, where, run):
+    """Run ``run`` as a callback: every error becomes an amanda error that
+    `_surface` re-raises in the caller's thread."""
+
+    def callback(*arrays):
+        try:
+            return run(*arrays)
+        except AmandaError as exc:
+            raise _failed(exc) from None
+        except Exception as exc:   # amanda's own bug: still name the routine
+            error = _tool_error(action, where, f"failed in amanda: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            raise _failed(error) from None
+
+    return callback
+
+
+def _chosen(original, new, flag):
+    """``new`` where ``flag`` is True, else ``original`` itself.
+
+    Switch and Merge forward one of the two tensors without touching their
+    data: the cheapest way to let the original tensor flow on when the
+    routine returned None.
+    """
+    kept, _ = tf.raw_ops.Switch(data=original, pred=flag)
+    _, replaced = tf.raw_ops.Switch(data=new, pred=flag)
+    chosen = tf.raw_ops.Merge(inputs=[kept, replaced]).output
+    chosen.set_shape(original.shape)
+    return chosen
+
+
+def _observer(action, where, count, hosted, dtypes):
+    """The callback of a before/after routine.
+
+    It receives the hosted tensors (read-only arrays; the others are None to
+    the routine) and returns one flag per hosted tensor, then one array per
+    hosted tensor: where the flag is False the graph lets the original
+    tensor flow on and the array (a 0-d placeholder) is never read, so an
+    observing routine feeds nothing of its own into the graph.
+    """
+    kept = [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
 
     def run(*arrays):
-        if replacing:
-            values = list(arrays)
-        else:
-            values = [None] * count
-            for i, array in zip(hosted, arrays):
-                values[i] = array
+        values = [None] * count
+        for i, array in zip(hosted, arrays):
+            values[i] = _read_only(array)
         result = call_routine(action, values, _is_array, where)
-        if replacing:
-            if result is None or len(result) != len(dtypes):
-                raise BackendError(f"replace routine of {where[1]!r} must return "
-                                   f"{len(dtypes)} values")
-            return [np.asarray(r, dtype=d) for r, d in zip(result, dtypes)]
         if not hosted:
+            if result is not None and any(r is not None for r in result):
+                raise _tool_error(action, where, "returned a replacement for a tensor that "
+                                  "cannot leave TensorFlow (a resource handle, variant, string "
+                                  "or variable reference)")
             return [np.int32(0)]
         if result is None:
-            return list(arrays)
-        return [array if result[i] is None else np.asarray(result[i], dtype=d)
-                for i, array, d in zip(hosted, arrays, dtypes)]
+            return kept
+        for position, new in enumerate(result):
+            if new is not None and values[position] is None:
+                raise _tool_error(action, where, f"returned a replacement at selected position "
+                                  f"{position}, a tensor that cannot leave TensorFlow (a resource "
+                                  "handle, variant, string or variable reference)")
+        check_replacements(action, values, result, _meta, where)
+        flags, arrays_out = [], []
+        for i, placeholder in zip(hosted, kept[len(hosted):]):
+            new = result[i]
+            flags.append(np.bool_(new is not None))
+            # a copy: the routine may keep its array and change it later,
+            # while TensorFlow still reads it
+            arrays_out.append(placeholder if new is None else np.array(new, copy=True))
+        return flags + arrays_out
 
-    return run
+    return _hosting(action, where, run)
+
+
+def _replacer(action, where, shapes, dtypes):
+    """The callback of a replace routine: the op's inputs in (read-only), one
+    array per output of the op out, each with that output's dtype and a
+    shape its static shape allows."""
+
+    def run(*arrays):
+        values = [_read_only(a) for a in arrays]
+        try:
+            result = action.func(*values, **action.kwargs)
+        except AmandaError:
+            raise
+        except Exception as exc:
+            raise _tool_error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+        if _is_array(result):
+            result = [result]
+        if not isinstance(result, (list, tuple)) or len(result) != len(dtypes):
+            raise _tool_error(action, where, f"must return {len(dtypes)} arrays, one per output "
+                              f"of the op; got {type(result).__name__}")
+        out = []
+        for position, (new, shape, dtype) in enumerate(zip(result, shapes, dtypes)):
+            if not _is_array(new) or new.dtype != dtype or not shape.is_compatible_with(new.shape):
+                got = (f"{type(new).__name__}" if not _is_array(new)
+                       else f"shape {list(new.shape)} and dtype {new.dtype}")
+                raise _tool_error(action, where, f"returned {got} for output {position}, which "
+                                  f"has shape {shape} and dtype {np.dtype(dtype)}; a routine must "
+                                  "keep the shape and dtype of the tensor it replaces")
+            out.append(np.array(new, copy=True))
+        return out
+
+    return _hosting(action, where, run)
 
 
 class _GraphRewrite:
@@ -359,23 +535,36 @@ class _GraphRewrite:
                 [t for t in inputs if _crosses_to_python(t.dtype)])):
             raise BackendError(f"replace routine of {where[1]!r}: TensorFlow can only host "
                                "routines over numeric tensors, not resource handles")
-        func = _callback(action, where, len(inputs), hosted,
-                         [like[i].dtype.as_numpy_dtype for i in hosted], replacing)
+        name = f"amanda/{action.kind}"
         if replacing:
-            feed, dtypes = inputs, [t.dtype for t in like]
+            func = _replacer(action, where, [t.shape for t in like],
+                             [t.dtype.as_numpy_dtype for t in like])
+            tensors = tf.numpy_function(func, inputs, [t.dtype for t in like], stateful=True,
+                                        name=name)
+            tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+            for new, old in zip(tensors, like):
+                new.set_shape(old.shape)
+            routine = tensors[0].op if tensors else None
+        elif not hosted:   # nothing to pass: a bare callback ordered by control edges
+            func = _observer(action, where, len(inputs), hosted, [])
+            routine = tf.numpy_function(func, [tf.constant(0)], [tf.int32], stateful=True,
+                                        name=name)[0].op
+            self._order(op.attrs["kind"], target, routine)
+            tensors = list(like)
         else:
-            feed, dtypes = [inputs[i] for i in hosted], [like[i].dtype for i in hosted]
-        if not feed and not dtypes:   # nothing to pass: a bare callback ordered by control
-            feed, dtypes = [tf.constant(0)], [tf.int32]
-        results = tf.numpy_function(func, feed, dtypes, stateful=True,
-                                    name=f"amanda/{action.kind}")
-        results = list(results) if isinstance(results, (list, tuple)) else [results]
-        if not hosted and not replacing:
-            self._order(op.attrs["kind"], target, results[0].op)
-        tensors = list(like) if not replacing else results
-        for i, new in zip(hosted, results):
-            new.set_shape(like[i].shape)
-            tensors[i] = new
+            dtypes = [like[i].dtype for i in hosted]
+            func = _observer(action, where, len(inputs), hosted,
+                             [d.as_numpy_dtype for d in dtypes])
+            results = tf.numpy_function(func, [inputs[i] for i in hosted],
+                                        [tf.bool] * len(hosted) + dtypes, stateful=True,
+                                        name=name)
+            routine = results[0].op
+            tensors = list(like)
+            for i, flag, new in zip(hosted, results, results[len(hosted):]):
+                tensors[i] = _chosen(like[i], new, flag)
+        if routine is not None:
+            origins = [self.copy.get_tensor_by_name(_origin(t)) for t in op.inputs]
+            self._before_writers(routine, origins, inputs)
         self.realised[action] = tensors
         self._record_final(op, tensors)
         return tensors
@@ -386,17 +575,61 @@ class _GraphRewrite:
         with tf.name_scope(f"amanda/{action.kind}"):
             results = call_routine(action, inputs, tf.is_tensor, where)
         if replacing and (results is None or len(results) != len(like)):
-            raise BackendError(f"replace routine of {where[1]!r} must return "
-                               f"{len(like)} tensors")
+            raise _tool_error(action, where, f"must return {len(like)} tensors, one per "
+                              "output of the op")
         tensors = list(like)
         for i, new in enumerate(results or ()):
             if new is None or new is like[i] or like[i].dtype._is_ref_dtype:
                 continue   # a v1 variable reference must stay one (its op may assign)
-            if new.dtype != like[i].dtype:
-                new = tf.cast(new, like[i].dtype)
+            # checked here, once: a dynamic dimension is only known when the
+            # graph runs, and then it is TensorFlow's own shape checks that apply
+            if new.dtype != like[i].dtype or not new.shape.is_compatible_with(like[i].shape):
+                raise _tool_error(action, where, f"returned a tensor of shape {new.shape} and "
+                                  f"dtype {new.dtype.name} at selected position {i}, replacing "
+                                  f"one of shape {like[i].shape} and dtype {like[i].dtype.name}; "
+                                  "a routine must keep the shape and dtype of the tensor it "
+                                  "replaces")
             new.set_shape(like[i].shape)
             tensors[i] = new
         return tensors
+
+    def _before_writers(self, routine, origins, inputs):
+        """Order ``routine`` before the stateful ops that were ordered after
+        the producers of its inputs.
+
+        A ``tf.function`` orders a variable's reads before its later updates
+        with control edges from the read ops; a routine reading such a value
+        must also be done before the update runs, as the op it instruments
+        would have been.
+
+        Args:
+            routine: the routine op.
+            origins: the user's tensors behind its inputs (in the copy).
+            inputs: its inputs (outputs of earlier routines, possibly).
+        """
+        for tensor in origins:
+            for writer in self._waiting_on(tensor.op):
+                if writer is not routine and not self._reaches(writer, inputs):
+                    writer._add_control_input(routine)
+
+    @staticmethod
+    def _reaches(start, inputs, limit=10000):
+        """Whether ``start`` is an ancestor of one of ``inputs`` (an edge from
+        the routine reading them to ``start`` would close a cycle); also True
+        when the search gives up after ``limit`` ops."""
+        goals = {t.op for t in inputs}
+        seen, stack = {start}, [start]
+        while stack:
+            op = stack.pop()
+            if op in goals or len(seen) > limit:
+                return True
+            followers = [c for out in op.outputs for c in out.consumers()]
+            followers += op._control_outputs
+            for follower in followers:
+                if follower not in seen:
+                    seen.add(follower)
+                    stack.append(follower)
+        return False
 
     def _order(self, kind, target, routine):
         """Make a routine that passes no tensor run before/after its op.
@@ -492,11 +725,37 @@ class _Shadow:
             self.session = None
 
     def run(self, fetches, feed_dict, options, run_metadata):
-        mapped = _map_structure(fetches, self._cached_fetch)
-        feeds = None
-        if feed_dict:
-            feeds = {self._cached(("feed", k), self._feed_key, k): v for k, v in feed_dict.items()}
-        return _original_run(self.session, mapped, feeds, options, run_metadata)
+        """``Session.run`` of the copy, answering exactly as the user's
+        session would: TensorFlow's own fetch handler flattens the fetches
+        (variables, sparse tensors, nested structures) into tensors and ops
+        of the user's graph and rebuilds its answer from their values."""
+        feeds, fed = self._feeds(feed_dict)
+        handler = _tf_session._FetchHandler(self.user_graph, fetches, fed)
+        tensors = handler.fetches()
+        mapped = [self._cached_fetch(t) for t in tensors]
+        mapped += [self._cached_fetch(op) for op in handler.targets()]
+        values = []
+        if mapped:
+            with _surface():
+                values = _original_run(self.session, mapped, feeds or None, options,
+                                       run_metadata)
+        return handler.build_results(self.user_session, values[:len(tensors)])
+
+    def _feeds(self, feed_dict):
+        """The feeds for the copy, and the user's fed tensors with their
+        values (a fetched feed is answered with the fed value, as TF does)."""
+        if not feed_dict:
+            return {}, {}
+        feeds, fed = {}, {}
+        for key, value in nest.flatten_dict_items(feed_dict).items():
+            for subkey, subvalue in _expand_feed(key, value):
+                tensor = self._cached(("feed", subkey), self._feed_tensor, subkey)
+                feeds[self._cached(("copy", tensor.name), self._feed_key, tensor)] = subvalue
+                try:
+                    fed[tensor.ref()] = np.asarray(subvalue, tensor.dtype.as_numpy_dtype)
+                except (TypeError, ValueError):
+                    pass   # the run of the copy reports it, as TF would
+        return feeds, fed
 
     def _cached_fetch(self, element):
         return self._cached(element, self._fetch, element)
@@ -515,33 +774,29 @@ class _Shadow:
             return mapped
 
     def _fetch(self, element):
-        if isinstance(element, str):
-            element = self.user_graph.as_graph_element(element)
         if isinstance(element, tf.Tensor):
             return self.rewrite.tensor(element.name)
         if isinstance(element, tf.Operation):
             return self.rewrite.operation(element.name)
-        if hasattr(element, "name") and hasattr(element, "graph"):  # variables
-            return self._fetch(self.user_graph.as_graph_element(element.name))
         raise BackendError(f"amanda cannot map the fetch {element!r} to the instrumented graph")
 
-    def _feed_key(self, key):
-        if isinstance(key, str):
-            key = self.user_graph.as_graph_element(key)
-        if isinstance(key, tf.Tensor):
-            return self.copy.get_tensor_by_name(key.name)
-        raise BackendError(f"amanda cannot map the feed key {key!r} to the instrumented graph")
+    def _feed_tensor(self, key):
+        try:
+            return self.user_graph.as_graph_element(key, allow_tensor=True, allow_operation=False)
+        except Exception as exc:   # TF's own wording and type
+            raise TypeError(f"Cannot interpret feed_dict key as Tensor: {exc.args[0]}") from exc
+
+    def _feed_key(self, tensor):
+        return self.copy.get_tensor_by_name(tensor.name)
 
 
-def _map_structure(value, leaf):
-    if isinstance(value, (list, tuple)):
-        mapped = [_map_structure(v, leaf) for v in value]
-        if hasattr(value, "_fields"):
-            return type(value)(*mapped)
-        return type(value)(mapped)
-    if isinstance(value, dict):
-        return {k: _map_structure(v, leaf) for k, v in value.items()}
-    return leaf(value)
+def _expand_feed(key, value):
+    """``(tensor or name, value)`` pairs for one ``feed_dict`` entry, split as
+    ``Session.run`` splits it (a SparseTensor key feeds three tensors)."""
+    for kind, _, expand, _ in _tf_session._REGISTERED_EXPANSIONS:
+        if isinstance(key, kind):
+            return expand(key, value)
+    raise TypeError(f"{key} in argument `feed_dict` has invalid type \"{type(key).__name__}\"")
 
 
 class _VariableSync:
@@ -686,7 +941,8 @@ class _FunctionCopy:
             fetches = [self.rewrite.tensor(t.name) for t in graph.outputs]
             self.pruned = self.wrapped.prune(feeds, fetches)
             self.pruned._amanda_copy = True
-        return self.pruned(*flat_inputs)
+        with _surface():
+            return self.pruned(*flat_inputs)
 
 
 def _patched_call_flat(self, tensor_inputs, captured_inputs):
@@ -764,6 +1020,68 @@ def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     return shadow.run(fetches, feed_dict, options, run_metadata)
 
 
+def _instrumenting(session):
+    """Whether a run of ``session`` on this thread executes an instrumented copy."""
+    return (bool(controls.state.sessions) and getattr(_tls, "live", None) is not None
+            and not getattr(session, "_amanda_shadow", False) and not controls.state.disabled)
+
+
+_original_do_run = _tf_session.BaseSession._do_run
+_original_call_tf_sessionrun = _tf_session.BaseSession._call_tf_sessionrun
+_original_partial_run_setup = _tf_session.BaseSession.partial_run_setup
+_original_partial_run = _tf_session.BaseSession.partial_run
+
+
+def _patched_do_run(self, *args):
+    # marks the low-level runs that Session.run itself makes (see below)
+    _tls.do_run = getattr(_tls, "do_run", 0) + 1
+    try:
+        return _original_do_run(self, *args)
+    finally:
+        _tls.do_run -= 1
+
+
+def _patched_call_tf_sessionrun(self, options, feed_dict, fetch_list, target_list,
+                                run_metadata):
+    """Callables of ``Session.make_callable`` (made inside the scope or
+    before it) run here without going through ``Session.run``: their fetches
+    are mapped back to the user's graph and run instrumented."""
+    if getattr(_tls, "do_run", 0) or not _instrumenting(self):
+        return _original_call_tf_sessionrun(self, options, feed_dict, fetch_list, target_list,
+                                            run_metadata)
+    if options is not None or run_metadata is not None or feed_dict:
+        raise BackendError("a Session.make_callable callable with RunOptions, RunMetadata or "
+                           "feeds of its own cannot run instrumented inside amanda.apply; "
+                           "use Session.run")
+    graph = self.graph
+    tensors = [graph._get_tensor_by_tf_output(output) for output in fetch_list]
+    targets = [graph._get_operation_by_tf_operation(op) for op in target_list]
+    return _patched_run(self, tensors + targets)[:len(tensors)]
+
+
+def _refusing(original):
+    """``original`` (a partial-run method), refused where runs are instrumented."""
+
+    def refused(self, *args, **kwargs):
+        if _instrumenting(self):
+            raise BackendError("Session.partial_run / partial_run_setup cannot run instrumented "
+                               "inside amanda.apply (a partial run is a stateful handle on the "
+                               "user's graph); use Session.run, or run it under "
+                               "amanda.disabled()")
+        return original(self, *args, **kwargs)
+
+    return refused
+
+
+_SESSION_PATCHES = {
+    "run": (_original_run, _patched_run),
+    "_do_run": (_original_do_run, _patched_do_run),
+    "_call_tf_sessionrun": (_original_call_tf_sessionrun, _patched_call_tf_sessionrun),
+    "partial_run_setup": (_original_partial_run_setup, _refusing(_original_partial_run_setup)),
+    "partial_run": (_original_partial_run, _refusing(_original_partial_run)),
+}
+
+
 class TensorFlowGraphDriver:
     """Intercepts ``Session.run`` and ``tf.function`` calls while any thread
     is inside ``apply``.
@@ -786,7 +1104,8 @@ class TensorFlowGraphDriver:
             with self._lock:
                 self._users += 1
                 if self._users == 1:
-                    _tf_session.BaseSession.run = _patched_run
+                    for name, (_, patched) in _SESSION_PATCHES.items():
+                        setattr(_tf_session.BaseSession, name, patched)
                     _concrete.ConcreteFunction._call_flat = _patched_call_flat
 
     def exit(self, session, restored):
@@ -804,7 +1123,8 @@ class TensorFlowGraphDriver:
             with self._lock:
                 self._users -= 1
                 if self._users == 0:
-                    _tf_session.BaseSession.run = _original_run
+                    for name, (original, _) in _SESSION_PATCHES.items():
+                        setattr(_tf_session.BaseSession, name, original)
                     _concrete.ConcreteFunction._call_flat = _original_call_flat
 
 
