@@ -129,7 +129,13 @@ def dtype_name(elem_type):
     try:
         return _NAMES[elem_type]
     except KeyError:
+        pass
+    try:
         return onnx.TensorProto.DataType.Name(elem_type).lower()
+    except ValueError:   # a number this onnx does not know: the model is malformed
+        raise BackendError(f"unknown ONNX element type {elem_type} (this onnx "
+                           f"{onnx.__version__} knows {sorted(onnx.TensorProto.DataType.values())})"
+                           ) from None
 
 
 def _names():
@@ -190,6 +196,13 @@ def lift(model, namespace=None, nodes=None):
     model = load_model(model)
     if not model.HasField("graph"):
         raise BackendError("the ONNX model has no graph")
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        # without it no standard op has a meaning (onnx's checker and
+        # onnxruntime reject such models too)
+        domains = sorted(o.domain for o in model.opset_import)
+        raise BackendError("the ONNX model imports no version of the default domain "
+                           f"('' / 'ai.onnx'; it imports {domains or 'no opset at all'}): "
+                           "add one to its opset_import")
     namespace = default_namespace(model) if namespace is None else namespace
     types = _value_types(model)
     lifter = _Lifter(namespace, types, nodes)

@@ -115,3 +115,118 @@ def test_lift_records_subgraphs_and_captures():
     assert nested.inputs[0].attrs["captured"] == "x"
     assert graph.namespace == "onnx/13/graph"
     assert mlp().graph.node[0].name == "fc"
+
+
+def test_unknown_element_type_is_an_amanda_error():
+    model = model_of([helper.make_node("Relu", ["x"], ["y"], name="r")])
+    model.graph.input[0].type.tensor_type.elem_type = 99
+    with pytest.raises(amanda.BackendError, match="unknown ONNX element type 99"):
+        lift(model)
+
+
+def test_no_default_domain_opset_is_an_amanda_error():
+    model = model_of([helper.make_node("Relu", ["x"], ["y"], name="r")])
+    del model.opset_import[:]
+    model.opset_import.add(domain="com.example", version=1)
+    with pytest.raises(amanda.BackendError, match="imports no version of the default domain"):
+        lift(model)
+    with pytest.raises(amanda.BackendError, match="default domain"):
+        amanda.instrument(model, amanda.tools.identity.IdentityTool())
+
+
+# -- fuzzing: every malformed model ends in an onnx/onnxruntime error or an
+# AmandaError, never a crash, a hang or a silently different result
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+np = pytest.importorskip("numpy")
+ort = pytest.importorskip("onnxruntime")
+from google.protobuf.message import DecodeError  # noqa: E402
+
+from tests.onnx.conftest import numpy_helper  # noqa: E402
+
+
+class _Look(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.analyse, require_outputs=True)
+
+    def analyse(self, context):
+        context.insert_before_op(self.look)
+        context.insert_after_op(self.look)
+
+    def look(self, *arrays):
+        pass
+
+
+_EXPECTED = (amanda.AmandaError, onnx.checker.ValidationError, DecodeError,
+             ort.capi.onnxruntime_pybind11_state.Fail,
+             ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+             ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+             ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+             ort.capi.onnxruntime_pybind11_state.NotImplemented,
+             ort.capi.onnxruntime_pybind11_state.RuntimeException)
+
+
+def _structural(kind, k):
+    """A small model broken in one way (``k`` varies the details)."""
+    model = mlp()
+    graph = model.graph
+    if kind == "dangling":
+        graph.node[k % 2].input[0] = f"ghost{k}"
+    elif kind == "cycle":
+        graph.node[0].input[0] = graph.node[1].output[0]
+    elif kind == "dtype":
+        graph.input[0].type.tensor_type.elem_type = 30 + k
+    elif kind == "huge_dim":
+        graph.input[0].type.tensor_type.shape.dim[k % 2].dim_value = 2 ** 62 + k
+    elif kind == "duplicate":
+        graph.node[1].output[0] = graph.node[0].output[0]
+    elif kind == "missing_initializer":
+        del graph.initializer[k % 2]
+    elif kind == "no_opset":
+        del model.opset_import[:]
+    elif kind == "duplicate_initializer":
+        graph.initializer.add().CopyFrom(graph.initializer[k % 2])
+    return model.SerializeToString()
+
+
+def _check(data):
+    """amanda.instrument and a session inside apply either fail with an
+    expected error or give the plain session's results."""
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    try:
+        amanda.instrument(data, _Look())
+    except _EXPECTED:
+        pass
+    try:
+        plain = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        expected = plain.run(None, {"x": x})
+    except Exception:   # noqa: BLE001 - onnxruntime rejects it without amanda
+        expected = None
+    try:
+        with amanda.apply(_Look()):
+            session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        got = session.run(None, {"x": x})
+    except _EXPECTED:
+        return
+    assert expected is not None, "amanda ran a model onnxruntime rejects"
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(expected, got))
+
+
+@hypothesis.settings(max_examples=100, deadline=None, derandomize=True)
+@hypothesis.given(kind=st.sampled_from(["truncate", "flip", "dangling", "cycle", "dtype",
+                                        "huge_dim", "duplicate", "missing_initializer",
+                                        "no_opset", "duplicate_initializer"]),
+                  k=st.integers(0, 10_000), value=st.integers(0, 255))
+def test_fuzzed_models_end_in_an_expected_error_or_the_plain_result(kind, k, value):
+    data = mlp().SerializeToString()
+    if kind == "truncate":
+        data = data[:k % len(data)]
+    elif kind == "flip":
+        mutable = bytearray(data)
+        mutable[k % len(mutable)] ^= value or 1
+        data = bytes(mutable)
+    else:
+        data = _structural(kind, k)
+    _check(data)
