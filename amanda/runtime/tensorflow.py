@@ -608,8 +608,12 @@ class _GraphRewrite:
             inputs: its inputs (outputs of earlier routines, possibly).
         """
         for tensor in origins:
+            if not any(t.dtype == tf.resource or t.dtype._is_ref_dtype
+                       for t in tensor.op.inputs):
+                continue   # only reads of variables are ordered before their writes
             for writer in self._waiting_on(tensor.op):
-                if writer is not routine and not self._reaches(writer, inputs):
+                if (writer._is_stateful and writer is not routine
+                        and not self._reaches(writer, inputs)):
                     writer._add_control_input(routine)
 
     @staticmethod

@@ -286,7 +286,7 @@ def test_fetches_inside_apply_equal_fetches_outside():
         (t["y"], feed),
         ("y:0", {"x:0": np.ones((1, 3), np.float32)}),    # names, as fetch and as feed key
         ({"y": t["y"], "w": [t["w"], (t["names"],)]}, feed),
-        (Pair(t["y"], [t["step"], t["names"]]), feed),
+        (Pair(t["y"], [t["ref"], t["names"]]), feed),
         (t["names"], None),                               # strings
         (t["sparse"], None),                              # SparseTensorValue
         ([t["sparse_sum"], t["sparse_in"]], {t["sparse_in"]: sparse_value}),  # sparse feed
