@@ -325,6 +325,7 @@ class _Lowering:
         self.side_only = True
         # some Python routine's results flow back into the model
         self.inline = False
+        self.side_tokens = {}   # target op name -> token its last side branch produced
         self.names = {}
         self.used = set()
         _collect_names(graph, self.used)
@@ -670,13 +671,18 @@ class _Lowering:
                                            replacing, observe))
         _catalog()
         base = f"amanda.routine/{where[1]}"
-        token = self._trigger()
+        # side branches of one op run in recorded order, before-routines
+        # first: each starts where the op's previous side branch ended
+        token = self.side_tokens.get(op.attrs["target"]) if observe else None
+        token = token or self._trigger()
         for slot, i in enumerate(hosted):
             token = self._host_node(f"AmandaPut_{in_types[i]}", [self.name(inputs[i]), token],
                                     f"{base}/put", f"{key}:{slot}")
         if not hosted:
             token = self._order(op, token, base, key)
         token = self._host_node("AmandaCall", [token], f"{base}/call", key)
+        if observe:
+            self.side_tokens[op.attrs["target"]] = token
         for slot, (i, dtype) in enumerate(results):
             self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
                           f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
