@@ -331,12 +331,12 @@ class _ThreadState:
         self.parents = {}       # id(module) -> stack above its last call this step
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
+        self.saved = None       # (counts, first_key) of the step, while recomputing
 
     def new_step(self):
         self.counts.clear()
         self.first_key = None
         self.parents.clear()
-        self.recomputing = False
 
     def recompute(self, module):
         """A module called with no module around it during a backward pass:
@@ -349,7 +349,8 @@ class _ThreadState:
         self.base = len(self.modules)
         if not self.recomputing:
             self.recomputing = True
-            self.saved_counts, self.counts = self.counts, {}
+            self.saved = (self.counts, self.first_key)
+            self.counts = {}
         else:
             self.counts.clear()
         self.first_key = None
@@ -357,8 +358,8 @@ class _ThreadState:
     def end_recompute(self):
         if self.recomputing:
             self.recomputing = False
-            self.counts = self.saved_counts
-            self.saved_counts = None
+            self.counts, self.first_key = self.saved
+            self.saved = None
 
     def reset(self, cache):
         self.cache = cache
@@ -476,7 +477,9 @@ class _Mode(TorchFunctionMode):
             name = _classify(func)
         if name is None or _CONTROLS.disabled:
             return func(*args, **kwargs)
-        frame = _calling_site(_getframe(1))
+        frame = _getframe(1)
+        if _CODE_KIND.get(id(frame.f_code)) is not _SITE:
+            frame = _calling_site(frame)
         if frame is None:
             return _machinery_call(func, args, kwargs)
         st = self.st
@@ -1112,12 +1115,14 @@ class TorchEagerDriver:
 # that ``torch.autograd.backward``/``grad`` call pushes the thread's mode back
 # for the duration of the pass.
 _ENGINE = {"original": None}
+_function_mode_stack = torch.overrides._get_current_function_mode_stack
 
 
 def _run_backward_seen(*args, **kwargs):
     st = getattr(_tls, "state", None)
     mode = st.mode if st is not None and st.depth else None
-    if mode is None or _CONTROLS.disabled or torch._C._is_torch_function_mode_enabled():
+    if mode is None or _CONTROLS.disabled or any(
+            m is mode for m in _function_mode_stack()):
         return _ENGINE["original"](*args, **kwargs)
     with mode:
         return _ENGINE["original"](*args, **kwargs)
