@@ -242,9 +242,9 @@ CASES = [
     Case("swin", "Swin", _hf("SwinConfig", "SwinModel", image_size=32, patch_size=4, embed_dim=16,
                              depths=[1, 1], num_heads=[1, 2], window_size=4), _pixels()),
     Case("mobilevit", "MobileViT", _hf(
-        "MobileViTConfig", "MobileViTModel", image_size=64, patch_size=2,
+        "MobileViTConfig", "MobileViTModel", image_size=32, patch_size=2,
         hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
-        num_attention_heads=2), _pixels(64)),
+        num_attention_heads=2), _pixels()),
     Case("segformer", "Segformer", _hf(
         "SegformerConfig", "SegformerModel", num_encoder_blocks=2, depths=[1, 1],
         sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],

@@ -166,6 +166,16 @@ def _torch_globals():
             for name, value in vars(module_module).items() if name.startswith("_global_")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The models are tiny: on a shared machine torch's intra-op threads only
+    contend (a 100x slowdown seen on 2 busy cores). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _no_leak_between_cases():
     """A case that leaves a torch function mode or a global module hook behind
