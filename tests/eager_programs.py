@@ -108,6 +108,7 @@ class StepSpec:
     top_disabled: Optional[Stmt]   # a top-level disabled block on out
     optimizer: bool
     eval_site: Optional[str]       # None, "grad" or "no_grad": a second call site
+    wrap: bool = False             # the model is nn.Sequential(M0(), nn.Tanh()), a torch container
 
 
 LOSSES = {
@@ -130,6 +131,8 @@ class Program:
         for m in reversed(self.modules):
             out += r.module(m) + [""]
         out += r.step(self.step)
+        out += ["", "def build():",
+                "    return nn.Sequential(M0(), nn.Tanh())" if self.step.wrap else "    return M0()"]
         return "\n".join(out) + "\n"
 
     def load(self, env, disabled=True, checkpoint=True):
@@ -306,6 +309,7 @@ class _Builder:
         self.max_depth = max_depth
         self.modules = []
         self.no_grad_ok = True
+        self.module_enabled = False   # some module has an enabled() block
 
     def new_module(self, depth, root=False):
         m = ModuleSpec(name=f"M{len(self.modules)}", root=root)
@@ -412,11 +416,21 @@ class _Builder:
         if kind == "nested":
             return Stmt("nested", body=self.block(m, depth + 1, side, (1, 2)))
         if kind == "disabled":
-            return Stmt("disabled", body=self.block(m, depth + 1, True, (1, 3)),
-                        enabled=draw(st.none() | st.just(True)) and
-                        self.block(m, depth + 2, True, (1, 2)),
-                        merge=draw(st.booleans()))
+            return self.disabled(m, depth, merge=draw(st.booleans()))
         raise AssertionError(kind)
+
+    def disabled(self, m, depth, merge):
+        """A disabled block. Its own statements make no ``no_grad`` scope: the
+        variant without them must leave ``side`` requiring grad as it was."""
+        saved, self.no_grad_ok = self.no_grad_ok, False
+        try:
+            body = self.block(m, depth + 1, True, (1, 3))
+        finally:
+            self.no_grad_ok = saved
+        enabled = self.draw(st.none() | st.just(True)) and self.block(m, depth + 2, True, (1, 2))
+        if enabled is not None and m is not None:
+            self.module_enabled = True
+        return Stmt("disabled", body=body, enabled=enabled, merge=merge)
 
 
 @st.composite
@@ -430,11 +444,7 @@ def programs(draw, max_depth=2, force=()):
     forced = [b.stmt(root, 0, False, k) for k in sorted(force)]
     root.body = forced + b.block(root, 0, side=False, size=(1, 4))
     root.body = draw(st.permutations(root.body)) if len(root.body) > 1 else root.body
-    top_disabled = None
-    if draw(st.booleans()):
-        top_disabled = Stmt("disabled", body=b.block(None, 1, True, (1, 2)),
-                            enabled=draw(st.none() | st.just(True)) and
-                            b.block(None, 2, True, (1, 2)), merge=True)
+    top_disabled = b.disabled(None, 0, merge=True) if draw(st.booleans()) else None
     pre = b.block(None, 1, side=True, size=(0, 2))
     b.no_grad_ok = False   # the loss needs grad
     post = b.block(None, 1, side=True, size=(0, 2))
@@ -443,10 +453,13 @@ def programs(draw, max_depth=2, force=()):
         post=post,
         loss=draw(st.sampled_from(sorted(LOSSES))),
         loss_branch=draw(st.booleans()),
-        disabled_call=draw(st.booleans()),
+        # enabled() inside a model called under disabled() instruments: the
+        # variant without the disabled call could not say which ops
+        disabled_call=not b.module_enabled and draw(st.booleans()),
         top_disabled=top_disabled,
         optimizer=draw(st.booleans()),
         eval_site=draw(st.sampled_from([None, "grad", "no_grad"])),
+        wrap=draw(st.booleans()),
     )
     return Program(b.modules, step)
 
@@ -483,7 +496,7 @@ def run(program, tool=None, inner=None, *, steps=4, cache=True, per_step=False, 
             else contextlib.nullcontext
     ns = program.load(env, disabled=disabled, checkpoint=checkpoint)
     torch.manual_seed(0)
-    model = ns["M0"]()
+    model = ns["build"]()
     opt = torch.optim.SGD(model.parameters(), lr=0.01) if program.step.optimizer else None
     result = Run(log, [], [])
     scope = (lambda: amanda.apply(tool)) if tool is not None else contextlib.nullcontext
