@@ -294,14 +294,19 @@ def test_counts_at_every_point(name):
     assert not missing, f"no routine ran at {missing}; counts {totals}"
     if case.kind == "generate":
         assert totals["before_backward_op"] == totals["after_backward_op"] == 0, totals
-    # every op's before and after routines run equally often
+    # every op's before and after routines run equally often. With activation
+    # checkpointing, torch stops a recomputation (by raising inside it) as
+    # soon as the last tensor backward needs is saved again ("early stop"), so
+    # the last recomputed op of a segment starts but never returns: there, one
+    # "before" more than "after" is vanilla behaviour.
+    aborted = 1 if case.checkpointing else 0
     unequal = []
     for before, after in (("before_op", "after_op"),
                           ("before_backward_op", "after_backward_op")):
         ids = {op_id for op_id, point in tool.counts if point in (before, after)}
         for op_id in sorted(ids):
             b, a = tool.counts[(op_id, before)], tool.counts[(op_id, after)]
-            if a != b:
+            if not a <= b <= a + (aborted if before == "before_op" else 0):
                 unequal.append(f"{tool.names[op_id]}: {before} {b}, {after} {a}")
     assert not unequal, (f"{len(unequal)} ops ran before and after routines unequally "
                          f"(totals {totals}): " + "; ".join(unequal[:10]))
