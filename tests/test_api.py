@@ -147,16 +147,22 @@ def test_shared_module_called_three_times_gives_three_ids():
     assert len(ids) == 6 and len(set(ids)) == 6  # analysed once per id
 
 
-def test_steps_outside_modules_are_recognised():
+def test_ops_outside_modules_are_identified_by_their_site():
     w = torch.rand(4, 4)
     tool = Recorder()
+
+    def helper(v):
+        return torch.tensor(float(v))
+
     with amanda.apply(tool):
         for _ in range(5):
+            [helper(v) for v in range(3)]   # one site run three times (generate's helpers)
             x = torch.rand(1, 4)
             for _ in range(2):
                 x = x @ w
-    # one step = rand + 2 matmuls; later steps replay the cache
-    assert [n for n, _ in tool.seen] == ["rand", "matmul", "matmul"]
+    # like a static instruction: one op per site, whatever ran before it in
+    # the iteration; later iterations replay the cache
+    assert [n for n, _ in tool.seen] == ["tensor", "rand", "matmul"]
 
 
 def test_cache_disabled_runs_analysis_every_time(cnn):

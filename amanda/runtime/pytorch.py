@@ -155,11 +155,16 @@ class BackwardOp:
 
 class _StraightThrough(torch.autograd.Function):
     """Forward: the routine's value. Backward: the gradient goes to the
-    original tensor unchanged, as if the routine were the identity."""
+    original tensor unchanged, as if the routine were the identity.
+
+    The value comes in a one-item list (``apply(original, [value])``): a
+    tensor argument handed back by ``forward`` would become a view of the
+    function's output, which in-place ops then refuse and whose strides on
+    size-1 dimensions differ from the value's."""
 
     @staticmethod
-    def forward(ctx, original, replacement):
-        return replacement
+    def forward(ctx, original, box):
+        return box[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -326,16 +331,15 @@ class _ThreadState:
         self.cache = None
         self.mode = None
         self.modules = []       # weak references to the modules being called
-        self.counts = {}        # site key -> occurrences in this step
-        self.first_key = None   # first op outside modules in this step
+        self.counts = {}        # site key -> occurrences in this step (ops in modules)
         self.parents = {}       # id(module) -> stack above its last call this step
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
-        self.saved = None       # (counts, first_key) of the step, while recomputing
+        self.saved = None       # the step's counts, while recomputing
+        self.muted = None       # disabled flag to restore after a muted recomputation
 
     def new_step(self):
         self.counts.clear()
-        self.first_key = None
         self.parents.clear()
 
     def recompute(self, module):
@@ -347,19 +351,20 @@ class _ThreadState:
         base = self.parents.get(id(module))
         self.modules[:] = base if base is not None else ()
         self.base = len(self.modules)
+        if base is None:
+            # Not called by this step's instrumented forward pass: it ran
+            # inside disabled() (or before apply), so its recomputation does too.
+            self.muted, _CONTROLS.disabled = _CONTROLS.disabled, True
         if not self.recomputing:
             self.recomputing = True
-            self.saved = (self.counts, self.first_key)
-            self.counts = {}
+            self.saved, self.counts = self.counts, {}
         else:
             self.counts.clear()
-        self.first_key = None
 
     def end_recompute(self):
         if self.recomputing:
             self.recomputing = False
-            self.counts, self.first_key = self.saved
-            self.saved = None
+            self.counts, self.saved = self.saved, None
 
     def reset(self, cache):
         self.cache = cache
@@ -418,6 +423,8 @@ def _module_post_hook(module, args, output):
         if st.recomputing and len(modules) == st.base:
             modules.clear()          # the recomputed segment is over
             st.base = 0
+            if st.muted is not None:
+                _CONTROLS.disabled, st.muted = st.muted, None
 
 
 # Module types that only wrap the user's model (amanda.export's call wrapper
@@ -485,17 +492,12 @@ class _Mode(TorchFunctionMode):
         st = self.st
         modules = st.modules
         key = (modules[-1] if modules else None, id(frame.f_code), frame.f_lasti, func)
-        counts = st.counts
-        if not modules:
-            if st.recomputing and _in_backward() == -1:
-                st.end_recompute()
-                counts = st.counts
-            if st.first_key is None:
-                st.first_key = key
-            elif key == st.first_key and key in counts:  # code outside modules starts a new step
-                st.new_step()
-                st.first_key = key
-        n = counts.get(key, 0)
+        if modules:
+            counts = st.counts
+            n = counts.get(key, 0)
+            counts[key] = n + 1
+        else:
+            n = 0     # outside modules, an op is its site: see _new_record
         cache = st.cache
         record = cache.records.get((key, n))
         if record is None:
@@ -503,7 +505,6 @@ class _Mode(TorchFunctionMode):
                 return _first_call_without_tensors(st, cache, key, n, name, func, frame,
                                                    args, kwargs)
             record = _new_record(st, cache, key, n, name, func, frame)
-        counts[key] = n + 1
         fast = record.fast
         if fast and cache.trace is None and _CONTROLS.cache:
             if fast is True or not _grad_enabled():
@@ -548,12 +549,13 @@ def _first_call_without_tensors(st, cache, key, n, name, func, frame, args, kwar
     result = func(*args, **kwargs)
     if not _flatten_outputs(result):
         _FUNCS[func] = _NOT_A_POINT
-        if st.first_key == key and n == 0:
-            st.first_key = None
+        if n:
+            st.counts[key] = n      # not an occurrence of an op after all
+        else:
+            st.counts.pop(key, None)
         return result
     _PRODUCERS.add(func)
     record = _new_record(st, cache, key, n, name, func, frame)
-    st.counts[key] = n + 1
     return _run_op(cache, record, func, args, kwargs, computed=result)
 
 
@@ -562,10 +564,27 @@ def _new_record(st, cache, key, n, name, func, frame):
     code = frame.f_code
     parts = [path, code.co_qualname, frame.f_lineno, name, n]
     op_id = _stable_id(*parts)
-    while cache.ids.setdefault(op_id, key) != key:  # distinct sites, distinct ids
-        parts.append("+")
+    while True:
+        other = cache.ids.setdefault(op_id, key)
+        if other == key:
+            break
+        if other[1:] == key[1:] and (other, n) in cache.records:
+            return _same_op_new_module(cache, op_id, other, key, n)
+        parts.append("+")                # distinct sites, distinct ids
         op_id = _stable_id(*parts)
     record = cache.records[(key, n)] = _OpRecord(cache.session, op_id, name, func, path)
+    return record
+
+
+def _same_op_new_module(cache, op_id, other, key, n):
+    """The same site at the same module path, in another module object: a
+    module built anew at each call (``ACT2FN[...]()`` in transformers). It is
+    the same op, with the same id and record; the entry of the module that
+    is gone is dropped, so the records do not grow step after step."""
+    record = cache.records[(key, n)] = cache.records[(other, n)]
+    if other[0] is not None and other[0]() is None:
+        del cache.records[(other, n)]
+        cache.ids[op_id] = key
     return record
 
 
@@ -685,7 +704,7 @@ def _apply_actions(actions, values, where):
                 continue
             if not action.ad and isinstance(old, _Tensor) and old.requires_grad \
                     and _grad_enabled():
-                new = _StraightThrough.apply(old, new.detach())
+                new = _StraightThrough.apply(old, [new.detach()])
             values[pos] = new
             changed = True
     return changed

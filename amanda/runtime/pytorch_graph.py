@@ -392,5 +392,5 @@ class _RoutineCall:
             elif differentiate or not isinstance(old, torch.Tensor) or not old.requires_grad:
                 result.append(value)
             else:
-                result.append(_StraightThrough.apply(old, value))
+                result.append(_StraightThrough.apply(old, [value.detach()]))
         return tuple(result)
