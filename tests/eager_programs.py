@@ -10,11 +10,14 @@ compares against, line for line (variants never move a line, so code
 locations, and hence op ids, are comparable between them):
 
 * ``disabled=False``: every ``with amanda.disabled():`` block becomes
-  ``if True:`` whose disabled statements are ``pass`` lines; the block's first
-  line (``side = h * 1.0``, a disabled op making an autograd node no op owns)
-  becomes ``side = OPAQUE(h)`` (the same, computed with torch functions
-  disabled), and ``with amanda.enabled():`` becomes ``if True:``. So the
-  variant is "the same program without the disabled block".
+  ``if True:`` whose disabled statements are ``pass`` lines, and
+  ``with amanda.enabled():`` becomes ``if True:``. So the variant is "the
+  same program without the disabled block". (The block's first line,
+  ``side = OPAQUE(h)``, is the same in both; see :func:`opaque`.) ``enabled()``
+  appears only in the root's forward and at top level, and the model is
+  called under ``disabled()`` only when no module has ``enabled()``: ops
+  re-enabled inside a module called from disabled code have no counterpart
+  in the variant.
 * ``checkpoint=False``: ``checkpoint(self.c, h, use_reentrant=R)`` becomes
   ``self.c(h)``.
 
@@ -172,10 +175,15 @@ _COUNTER = itertools.count()
 
 
 def opaque(t):
-    """``t * 1.0`` with every torch function mode off: an autograd node that
-    no amanda op owns, as the disabled statement it stands for makes."""
+    """``t * 1.0`` computed with every torch function mode off, requiring grad
+    even where ``t`` does not: the first line of every disabled block, in both
+    variants. ``side`` then always has an autograd node that no amanda op owns
+    (as disabled statements make) and always requires grad (as disabled
+    statements touching a parameter would make it), so the variant without
+    the disabled statements builds the same instrumented backward ops."""
     with torch._C.DisableTorchFunction():
-        return t * 1.0
+        base = t if t.requires_grad else t.detach().requires_grad_()
+        return base * 1.0
 
 
 class _Renderer:
@@ -255,8 +263,7 @@ class _Renderer:
             return [ind + "with ENV['nested']():"] + self.block(s.body, v, depth + 1, in_module)
         if k == "disabled":
             head = "with amanda.disabled():" if self.disabled else "if True:"
-            first = f"side = {v} * 1.0" if self.disabled else f"side = OPAQUE({v})"
-            lines = [ind + head, ind + "    " + first]
+            lines = [ind + head, ind + "    " + f"side = OPAQUE({v})"]
             for t in s.body:
                 lines += self.stmt(t, "side", depth + 1, in_module, disabled=True)
             if s.enabled is not None:
@@ -427,7 +434,13 @@ class _Builder:
             body = self.block(m, depth + 1, True, (1, 3))
         finally:
             self.no_grad_ok = saved
-        enabled = self.draw(st.none() | st.just(True)) and self.block(m, depth + 2, True, (1, 2))
+        # enabled() only in the root's forward and at top level: a module with
+        # enabled() called inside a disabled block instruments there, which
+        # the variant without the block cannot say
+        enabled = None
+        if m is None or m.root:
+            enabled = self.draw(st.none() | st.just(True)) and \
+                self.block(m, depth + 2, True, (1, 2))
         if enabled is not None and m is not None:
             self.module_enabled = True
         return Stmt("disabled", body=body, enabled=enabled, merge=merge)

@@ -54,6 +54,7 @@ reproducible; a failure prints the program's source.
 """
 
 import collections
+import dataclasses
 import os
 import warnings
 
@@ -407,6 +408,11 @@ def has_disabled(program):
 
 
 def check_disabled_rule(program, points, names, per_step):
+    # No optimizer step: parameters used only inside a disabled block get
+    # gradients (through h + 0 * side) that the variant without the block
+    # cannot give them, and SGD skips parameters without one.
+    program = dataclasses.replace(program, step=dataclasses.replace(program.step,
+                                                                    optimizer=False))
     valid(program)
     valid(program, disabled=False)
     got = record(program, points, names, per_step=per_step)
@@ -506,17 +512,24 @@ def check_ids_and_points(program, per_step):
                 and e[4] is not None and e[2:4] not in no_tensor]
 
     for i, entries in enumerate(by_step(result.log)):
-        # every execution with a before-routine runs its after-routine
-        for before, after in ((FB, FA), (BB, BA)):
-            counts = collections.Counter()
-            for e in entries:
-                if e[0] not in ("mark", "step") and e[1] in (before, after):
-                    counts[(e[0], e[2], e[3], e[1])] += 1
-            for (tag, op_id, name, point), n in counts.items():
-                if point != before:
-                    continue
-                m = counts.get((tag, op_id, name, after), 0)
-                assert m == n, (f"step {i}: {name} (id {op_id}) ran its {before} routine {n} "
+        # every execution with a before-routine runs its after-routine; in
+        # the backward pass, torch's non-reentrant checkpoint stops a
+        # recomputation by raising inside the last op it needs (vanilla
+        # behaviour): that op may run "before" once more than "after"
+        backward_pass = between(entries, "backward", "eval")
+        for part, slack in ((between(entries, "pre", "backward") + between(entries, "eval", "end"),
+                             0), (backward_pass, 1)):
+            for before, after in ((FB, FA), (BB, BA)):
+                counts = collections.Counter()
+                for e in part:
+                    if e[1] in (before, after):
+                        counts[(e[0], e[2], e[3], e[1])] += 1
+                for (tag, op_id, name, point), n in counts.items():
+                    if point != before:
+                        continue
+                    m = counts.get((tag, op_id, name, after), 0)
+                    ok = m == n or (before == FB and 0 < n - m <= slack)
+                    assert ok, (f"step {i}: {name} (id {op_id}) ran its {before} routine {n} "
                                 f"times and its {after} routine {m} times")
         if program.step.eval_site is not None:
             train = module_ops(between(entries, "train", "dcall"))
@@ -573,6 +586,30 @@ def test_checkpoint_keeps_op_ids(program):
     check_checkpoint(program)
 
 
+def test_cache_rule_when_an_input_starts_requiring_grad():
+    """Regression found by the harness: an op whose first execution made no
+    autograd node (its input needed no grad) gets backward routines later,
+    with the cache as without it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    logs = {}
+    for cache in (True, False):
+        log = []
+        tool = Recorder(log)   # forward points too: with only backward ones it passes
+        with amanda.apply(tool), (amanda.cache_enabled() if cache else amanda.cache_disabled()):
+            for i in range(2):
+                log.append(("step", i))
+                x = torch.randn(4, 4, requires_grad=True)
+                if i == 0:
+                    with torch.no_grad():
+                        x = x + 1
+                h = torch.relu(x)
+                lin(h).sum().backward()
+        logs[cache] = log
+    for i, (x, y) in enumerate(zip(by_step(logs[True]), by_step(logs[False]))):
+        assert_same_sequence(x, y, "cached (got) vs cache_disabled (want)", i)
+
+
 # -- the long sweep ---------------------------------------------------------------------------------
 
 CHECKS = ["cache", "disabled", "identity", "state", "ids", "checkpoint"]
@@ -614,6 +651,6 @@ def test_harness_variants_are_line_aligned():
             for a, b in zip(base, lines):
                 if a != b:
                     assert ("disabled" in a or "enabled" in a or "checkpoint(" in a
-                            or b.strip() in ("pass", "if True:") or "OPAQUE" in b), (a, b)
+                            or b.strip() in ("pass", "if True:")), (a, b)
     check()
 
