@@ -220,6 +220,7 @@ def _instrument(model, session, callbacks):
     """(lowered ModelProto or None when nothing was recorded, its `_Lowering`)."""
     nodes = {}
     ir_graph = lift(model, nodes=nodes)
+    _complete_types(model, ir_graph)
     state = controls.state
     saved, state.disabled = state.disabled, True   # evaluate() runs onnxruntime sessions
     try:
@@ -234,6 +235,49 @@ def _instrument(model, session, callbacks):
         return None, None
     lowering = _Lowering(lower_actions(ir_graph, plan), callbacks)
     return lowering.model(), lowering
+
+
+def _complete_types(model, ir_graph):
+    """Element types onnx's shape inference left unknown, from onnxruntime.
+
+    A routine is handed only tensors of known hostable types; onnx does not
+    infer some outputs (e.g. the mask of an opset-9 ``Dropout``) that
+    onnxruntime types when it resolves the graph. Asking it costs a session
+    creation without optimisation and without a run, and only happens when
+    such tensors exist. Shapes are left unknown: onnxruntime reports an
+    unknown shape as ``[]``.
+    """
+    unknown = {t.name: t for op in ir_graph for t in op.outputs
+               if t.attrs.get("dtype") is None and not t.attrs.get("absent")}
+    if not unknown:
+        return
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    declared = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=n) for n in unknown if n not in declared)
+    probe.ir_version = min(probe.ir_version, MAX_IR_VERSION)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession.__new__(ort.InferenceSession)
+    try:
+        _original_init(session, probe.SerializeToString(), options, ["CPUExecutionProvider"])
+    except Exception:   # noqa: BLE001 - custom ops, huge models: types stay unknown
+        return
+    for output in session.get_outputs():
+        tensor = unknown.get(output.name)
+        kind = output.type or ""
+        if tensor is not None and kind.startswith("tensor(") and kind.endswith(")"):
+            dtype = _ORT_ELEMENT_TYPES.get(kind[7:-1])
+            if dtype is not None:
+                tensor.attrs["dtype"] = dtype
+
+
+#: onnxruntime's element type names (``tensor(<name>)``) -> NumPy dtype names.
+_ORT_ELEMENT_TYPES = {"float": "float32", "double": "float64", "float16": "float16",
+                      "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+                      "uint8": "uint8", "uint16": "uint16", "uint32": "uint32",
+                      "uint64": "uint64", "bool": "bool"}
 
 
 def instrument_model(model, session):
@@ -325,7 +369,9 @@ class _Lowering:
         self.side_only = True
         # some Python routine's results flow back into the model
         self.inline = False
-        self.side_tokens = {}   # target op name -> token its last side branch produced
+        # token of the last hosted routine written in the graph being
+        # written: the next routine's chain starts there (see _callback)
+        self.last_token = None
         self.names = {}
         self.used = set()
         _collect_names(graph, self.used)
@@ -415,7 +461,8 @@ class _Lowering:
 
     def graph(self, ir_graph):
         meta = ir_graph.attrs.get("_onnx") or {}
-        saved = self.graph_proto, self.ops_by_name
+        saved = self.graph_proto, self.ops_by_name, self.last_token
+        self.last_token = None
         proto = self.graph_proto = onnx.GraphProto(name=meta.get("name", ir_graph.name),
                                                    doc_string=meta.get("doc_string", ""))
         self.ops_by_name = {op.name: op for op in ir_graph.ops}
@@ -431,7 +478,7 @@ class _Lowering:
                     self._node(op)
             self._outputs(ir_graph, meta, proto)
         finally:
-            self.graph_proto, self.ops_by_name = saved
+            self.graph_proto, self.ops_by_name, self.last_token = saved
         return proto
 
     def _name_outputs(self, ir_graph, meta):
@@ -671,18 +718,20 @@ class _Lowering:
                                            replacing, observe))
         _catalog()
         base = f"amanda.routine/{where[1]}"
-        # side branches of one op run in recorded order, before-routines
-        # first: each starts where the op's previous side branch ended
-        token = self.side_tokens.get(op.attrs["target"]) if observe else None
-        token = token or self._trigger()
+        # Hosted routines run in program order (the IR's order: an op's
+        # before-routines, then its after-routines, then the next op's), as
+        # in eager execution: each chain starts where the previous routine's
+        # call ended. Side branches are otherwise unordered and onnxruntime
+        # schedules them as it likes (often last op first), which breaks
+        # tools that pair routines across ops (e.g. an after-routine of the
+        # last op that closes a step of values kept by earlier ones).
+        token = self.last_token or self._trigger()
         for slot, i in enumerate(hosted):
             token = self._host_node(f"AmandaPut_{in_types[i]}", [self.name(inputs[i]), token],
                                     f"{base}/put", f"{key}:{slot}")
         if not hosted:
             token = self._order(op, token, base, key)
-        token = self._host_node("AmandaCall", [token], f"{base}/call", key)
-        if observe:
-            self.side_tokens[op.attrs["target"]] = token
+        token = self.last_token = self._host_node("AmandaCall", [token], f"{base}/call", key)
         for slot, (i, dtype) in enumerate(results):
             self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
                           f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
@@ -954,7 +1003,10 @@ _LOCK = threading.Lock()
 # distinct keys and ``next`` on a counter are atomic under the GIL.
 _CHAINS = itertools.count(1)
 _STASH = {}            # chain id -> {slot: array} handed over by AmandaPut nodes
-_RESULTS = {}          # chain id -> {slot: array} left for AmandaGet nodes (each pops its own)
+# (chain id, routine key) -> {slot: array} left for AmandaGet nodes (each pops
+# its own); keyed by routine too, since one chain threads every routine of a
+# run and the next routine may be called before this one's results are taken
+_RESULTS = {}
 #: Slot of an AmandaPut that only orders the chain after a tensor (the value
 #: is not handed to the routine).
 ORDER_SLOT = "order"
@@ -987,16 +1039,17 @@ def _call(token, key):
     callback = _CALLBACKS[key]
     results = callback([arrays.get(i) for i in range(len(callback.hosted))])
     if results:   # AmandaGet nodes follow and take them
-        _RESULTS[chain] = dict(enumerate(results))
+        _RESULTS[chain, key] = dict(enumerate(results))
     return np.array(chain, np.int64)
 
 
 def _get(token, key):
-    chain = int(token)
-    results = _RESULTS[chain]
-    value = results.pop(int(key.rpartition(":")[2]))
+    routine, _, slot = key.rpartition(":")
+    where = (int(token), routine)
+    results = _RESULTS[where]
+    value = results.pop(int(slot))
     if not results:
-        _RESULTS.pop(chain, None)
+        _RESULTS.pop(where, None)
     return value
 
 
