@@ -41,6 +41,9 @@ The result is an :class:`amanda.ir.Graph` in namespace
   name). The node lists those captured values after its own inputs, so
   use-def in the enclosing graph sees them (``attrs["_onnx"]["num_inputs"]``
   is the node's own input count, ``["captures"]`` the captured names).
+  A body's ops are named ``"<holding op>/<attribute>/<node name>"`` (e.g.
+  ``"loop/body/add"``, ``"if/then_branch/Mul"``; deeper bodies repeat the
+  pattern), unique in the whole model: their stable ids.
 * **The model** is described in ``graph.attrs["_onnx"]``: ``ir_version``,
   ``opset_import`` (``[[domain, version], ...]``), producer, doc strings,
   metadata, model-local functions, and the graph's ``outputs`` (name and type
@@ -60,6 +63,7 @@ import os
 
 from amanda.errors import BackendError
 from amanda.ir import Graph
+from amanda.ir.attrs import iter_graphs
 
 __all__ = ["ABSENT", "ProtoAttr", "default_namespace", "dtype_name", "lift", "load_model"]
 
@@ -183,8 +187,9 @@ def lift(model, namespace=None, nodes=None):
     Args:
         model: an ``onnx.ModelProto``, its serialized bytes, or a path.
         namespace: the ops' namespace (default: ``"onnx/<opset>/graph"``).
-        nodes: a dict to fill with IR op name -> ``onnx.NodeProto`` of the
-            model's top-level graph (the nodes of ``model`` itself).
+        nodes: a dict to fill with IR op name -> ``onnx.NodeProto`` for every
+            node of the model, those of ``If``/``Loop``/``Scan`` bodies included
+            (the nodes of ``model`` itself).
 
     Returns:
         A verified :class:`amanda.ir.Graph` described in this module.
@@ -207,6 +212,9 @@ def lift(model, namespace=None, nodes=None):
     types = _value_types(model)
     lifter = _Lifter(namespace, types, nodes)
     graph = lifter.graph(model.graph, outer=None)
+    if nodes is not None:
+        for op in _all_ops(graph):
+            nodes[op.name] = lifter.protos[op]
     graph.attrs["_onnx"].update(_model_attrs(model))
     try:
         graph.verify()
@@ -339,6 +347,7 @@ class _Lifter:
         self.namespace = namespace
         self.types = types
         self.nodes = nodes
+        self.protos = {}   # IR op -> its NodeProto, at every depth
         self.declared = set()
 
     def graph(self, proto, outer, label="graph"):
@@ -470,8 +479,16 @@ class _Lifter:
             if name in self.declared:
                 tensor.attrs["value_info"] = True
             scope.env[name] = tensor
-        if self.nodes is not None and scope.outer is None:
-            self.nodes[op.name] = node
+        self.protos[op] = node
+        # ops of a body are named after the node holding it, "<op>/<attribute>/<name>"
+        # (nested bodies repeat the pattern), so every op of the model has a
+        # stable id of its own: bodies often reuse names ("add" in then_branch
+        # and in else_branch)
+        for key, value in attrs.items():
+            if key == "_onnx":
+                continue
+            for position, sub in iter_graphs(value):
+                _prefix_ops(sub, f"{op.name}/{key}{position}/")
 
     def _attribute(self, node, index, attr, scope, captures):
         onnx = _onnx()
@@ -522,6 +539,21 @@ class _Lifter:
             if captured is not None and captured not in captures:
                 captures.append(captured)
         return sub
+
+
+def _all_ops(graph):
+    """The ops of ``graph`` and of every body nested in it, parents first."""
+    for op in graph.ops:
+        yield op
+        for key, value in op.attrs.items():
+            if key != "_onnx":
+                for _, sub in iter_graphs(value):
+                    yield from _all_ops(sub)
+
+
+def _prefix_ops(graph, prefix):
+    for op in _all_ops(graph):
+        op.name = prefix + op.name
 
 
 class _Scope:

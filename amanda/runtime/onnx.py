@@ -50,6 +50,7 @@ from onnx import helper, numpy_helper
 from amanda import controls
 from amanda.errors import AmandaError, BackendError, ToolError, describe
 from amanda.frontends.onnx import ProtoAttr, lift, load_model
+from amanda.ir import Graph
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime import swapped
@@ -153,11 +154,33 @@ class _Probe:
         self.tensors = {t.name: t for t in ir_graph.inputs}
         for op in ir_graph:
             self.tensors.update((t.name, t) for t in op.outputs)
+        self.in_bodies = {}   # name -> (tensor, holding op) of values defined in bodies
+        self._bodies(ir_graph, None)
+
+    def _bodies(self, graph, holder):
+        for op in graph.ops:
+            if holder is not None:
+                for tensor in op.outputs:
+                    self.in_bodies.setdefault(tensor.name, (tensor, holder))
+            for _, body in _bodies(op):
+                for tensor in body.inputs:
+                    if tensor.attrs.get("captured") is None:
+                        self.in_bodies.setdefault(tensor.name, (tensor, holder or op))
+                self._bodies(body, holder or op)
 
     def evaluate(self, names):
         values, pending = {}, []
         for name in names:
             tensor = self.tensors.get(name)
+            if tensor is None and name in self.in_bodies:
+                tensor, holder = self.in_bodies[name]
+                if tensor.attrs.get("initializer") is None:
+                    # a body runs any number of times per run (or not at all)
+                    raise BackendError(f"evaluate: {name!r} is computed inside a body of "
+                                       f"{holder.type} {holder.name!r}, which has no single "
+                                       "value per run; evaluate() computes values of the "
+                                       "top-level graph and initializers (routines receive "
+                                       "body values on each execution)")
             if tensor is None:
                 raise BackendError(f"evaluate: the model has no tensor named {name!r}")
             initializer = tensor.attrs.get("initializer")
@@ -223,18 +246,64 @@ def _instrument(model, session, callbacks):
     _complete_types(model, ir_graph)
     state = controls.state
     saved, state.disabled = state.disabled, True   # evaluate() runs onnxruntime sessions
+    bodies = {}
     try:
         with _probing(_Probe(model, ir_graph, nodes)):
-            plan = run_instrumentation_pass(ir_graph, session,
-                                            OnnxGraphBackend(ir_graph, nodes))
+            backend = OnnxGraphBackend(ir_graph, nodes)
+            plan = run_instrumentation_pass(ir_graph, session, backend)
+            _analyse_bodies(ir_graph, session, backend, bodies)
     finally:
         state.disabled = saved
     if session.requires_graph:
         session.graph_completed(ir_graph)
-    if not plan:
+    if not plan and not any(bodies.values()):
         return None, None
-    lowering = _Lowering(lower_actions(ir_graph, plan), callbacks)
+    lowered = lower_actions(ir_graph, plan)
+    _lower_bodies(lowered, bodies)
+    lowering = _Lowering(lowered, callbacks)
     return lowering.model(), lowering
+
+
+def _bodies(op):
+    """``(key, body)`` for each If/Loop/Scan body (graph attribute) of an op;
+    the key names it among the model's bodies."""
+    for name, value in op.attrs.items():
+        if name == "_onnx" or op.type == ROUTINE:
+            continue
+        if isinstance(value, Graph):
+            yield (op.name, name, None), value
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, Graph):
+                    yield (op.name, name, index), item
+
+
+def _analyse_bodies(graph, session, backend, plans):
+    """Run the analysis routines on the ops of every body nested in ``graph``
+    (after the graph's own ops; each body's ops in order, bodies in the order
+    of their holding nodes). Their ids are their lifted names
+    (``"loop/body/add"``), contexts are those of top-level ops."""
+    for op in graph.ops:
+        for key, body in _bodies(op):
+            plans[key] = run_instrumentation_pass(body, session, backend)
+            _analyse_bodies(body, session, backend, plans)
+
+
+def _lower_bodies(graph, plans):
+    """Lower the actions recorded on body ops into the bodies of ``graph``
+    (a lowered copy of the lifted graph), in place, innermost first."""
+    for op in graph.ops:
+        for (name, attr, index), body in list(_bodies(op)):
+            plan = plans.get((name, attr, index))
+            if plan:
+                body = lower_actions(body, plan)
+            _lower_bodies(body, plans)
+            if index is None:
+                op.attrs[attr] = body
+            else:
+                bodies = list(op.attrs[attr])
+                bodies[index] = body
+                op.attrs[attr] = bodies
 
 
 def _complete_types(model, ir_graph):
@@ -372,6 +441,13 @@ class _Lowering:
         # token of the last hosted routine written in the graph being
         # written: the next routine's chain starts there (see _callback)
         self.last_token = None
+        self.outer_token = None   # the enclosing graph's token at a body's holding node
+        self.nested = False       # writing a body of If/Loop/Scan
+        self.hosted = 0           # hosted routines written so far
+        self.ranks_known = True   # the graph being written declares its outputs' ranks
+        self.holder = None        # the op whose attributes are being written
+        self.body_of = None       # the op holding the body being written
+        self._new_initializers_as_inputs = False
         self.names = {}
         self.used = set()
         _collect_names(graph, self.used)
@@ -461,25 +537,43 @@ class _Lowering:
 
     def graph(self, ir_graph):
         meta = ir_graph.attrs.get("_onnx") or {}
-        saved = self.graph_proto, self.ops_by_name, self.last_token
-        self.last_token = None
+        saved = self._enter_graph(ir_graph)
         proto = self.graph_proto = onnx.GraphProto(name=meta.get("name", ir_graph.name),
                                                    doc_string=meta.get("doc_string", ""))
-        self.ops_by_name = {op.name: op for op in ir_graph.ops}
         try:
             self._name_outputs(ir_graph, meta)
+            self.ranks_known = all(self.tensor_type(t)[1] is not None for t in ir_graph.outputs
+                                   if self.tensor_type(t)[0] is not None)
             self._inputs(ir_graph, meta, proto)
             for op in ir_graph:
                 if op.type == ROUTINE:
-                    if ir_graph is not self.top:
-                        self.side_only = False
                     self._routine(op)
                 else:
+                    hosted = self.hosted
                     self._node(op)
+                    if self.hosted != hosted:
+                        self._join(op)
             self._outputs(ir_graph, meta, proto)
         finally:
-            self.graph_proto, self.ops_by_name, self.last_token = saved
+            self._leave_graph(saved)
         return proto
+
+    def _enter_graph(self, ir_graph):
+        """Start writing ``ir_graph`` (a body: from inside its holding node)."""
+        saved = (self.graph_proto, self.ops_by_name, self.last_token, self.outer_token,
+                 self.nested, self._new_initializers_as_inputs, self.ranks_known, self.body_of)
+        # a body's routines start where the enclosing graph's chain is at the
+        # holding node (after the node's before-routines): see _chain_start
+        self.outer_token, self.nested = self.last_token, ir_graph is not self.top
+        self.body_of = self.holder if self.nested else None
+        self.ranks_known = True
+        self.last_token = None
+        self.ops_by_name = {op.name: op for op in ir_graph.ops}
+        return saved
+
+    def _leave_graph(self, saved):
+        (self.graph_proto, self.ops_by_name, self.last_token, self.outer_token,
+         self.nested, self._new_initializers_as_inputs, self.ranks_known, self.body_of) = saved
 
     def _name_outputs(self, ir_graph, meta):
         """Graph outputs keep the model's names, also where a routine now
@@ -497,13 +591,36 @@ class _Lowering:
             wanted = declared[position][0]
             if tensor.name == wanted:
                 continue
+            source = tensor
+            while source.producer is not None and source.producer.type == ROUTINE \
+                    and self._passes_through(source.producer, source.index):
+                source = source.producer.inputs[source.index]
+            if source.name == wanted:
+                # only routines that hand the value on unchanged stand between:
+                # the original keeps its name and they alias it (copying it
+                # with an Identity would fail for sequences before opset 14)
+                continue
             holder = by_name.get(wanted)
             if holder is not None and holder not in self.names:
                 self.names[holder] = self.fresh(f"{wanted}/amanda.original")
             self.names[tensor] = wanted
 
+    def _passes_through(self, routine, index):
+        """Whether `_routine` will make output ``index`` of ``routine`` an alias
+        of its input (the same decision, made before the routine is written)."""
+        if routine.attrs["kind"].startswith("replace"):
+            return False
+        types = [None if t.attrs.get("absent") else self.tensor_type(t)[0]
+                 for t in routine.inputs]
+        func = routine.attrs["action"].func
+        if _is_portable(func) and None not in types:
+            return False   # traced into nodes (an observer's outputs get copies)
+        hosted = [t in _HOSTED_DTYPES for t in types]
+        return not hosted[index] or not any(hosted) or returns_only_none(func)
+
     def _inputs(self, ir_graph, meta, proto):
-        new_as_inputs = self.ir_version < 4
+        # a body's inputs are positional (Loop, Scan): never add any
+        new_as_inputs = self.ir_version < 4 and ir_graph is self.top
         for tensor in ir_graph.inputs:
             attrs = tensor.attrs
             if attrs.get("absent") or attrs.get("captured") is not None \
@@ -576,9 +693,14 @@ class _Lowering:
         node.output.extend(self.name(t) for t in op.outputs)
         captures = {c: self.name(t) for c, t in zip(meta.get("captures", ()), op.inputs[count:])}
         types = meta.get("attribute_types", {})
-        for key, value in op.attrs.items():
-            if key != "_onnx":
-                node.attribute.append(self._attribute(op, key, value, types.get(key), captures))
+        saved, self.holder = self.holder, op
+        try:
+            for key, value in op.attrs.items():
+                if key != "_onnx":
+                    node.attribute.append(self._attribute(op, key, value, types.get(key),
+                                                          captures))
+        finally:
+            self.holder = saved
 
     def _attribute(self, op, key, value, type_name, captures):
         kinds = onnx.AttributeProto
@@ -696,6 +818,20 @@ class _Lowering:
         if not observe:
             self.side_only = False
             self.inline = True
+            holder = self.body_of
+            if holder is not None and holder.type in ("Scan", "Loop") and not self.ranks_known:
+                # found by trial: onnxruntime runs these bodies only if it
+                # knows the rank of every body output when the session is
+                # created, and a Python op's results (and what is computed
+                # from them) have none; a Reshape to the original's shape
+                # does not bring it back inside the body
+                raise _error(action, where, f"may replace tensors inside the body of "
+                             f"{holder.type} {holder.name!r}, whose outputs' shapes the model "
+                             "does not declare (nor can onnx infer them): onnxruntime runs "
+                             "such a body only when it knows them, and a Python routine's "
+                             "results have none. Let the routine return only None (observing "
+                             "routines run there), or declare the shapes of the body's "
+                             "outputs in the model")
         if replacing:
             target = self.ops_by_name[op.attrs["target"]]
             out_types = [self.tensor_type(t)[0] for t in target.outputs]
@@ -725,13 +861,14 @@ class _Lowering:
         # schedules them as it likes (often last op first), which breaks
         # tools that pair routines across ops (e.g. an after-routine of the
         # last op that closes a step of values kept by earlier ones).
-        token = self.last_token or self._trigger()
+        token = self.last_token or self._chain_start(key)
         for slot, i in enumerate(hosted):
             token = self._host_node(f"AmandaPut_{in_types[i]}", [self.name(inputs[i]), token],
                                     f"{base}/put", f"{key}:{slot}")
         if not hosted:
             token = self._order(op, token, base, key)
         token = self.last_token = self._host_node("AmandaCall", [token], f"{base}/call", key)
+        self.hosted += 1
         for slot, (i, dtype) in enumerate(results):
             self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
                           f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
@@ -773,6 +910,46 @@ class _Lowering:
         self.add_node(op_type, inputs, [token], name, domain=CALLBACK_DOMAIN, key=key)
         return token
 
+    def _chain_start(self, key):
+        """The token the first hosted routine of the graph being written starts from.
+
+        At top level the constant 0 (the chain draws its id). In a body, a
+        constant 0 too (a Constant node: a body's inputs are positional and
+        IR < 4 would list initializers there), forked from the enclosing
+        chain at the holding node: the first Put reads the outer token, so
+        the body's routines run after the holding node's before-routines
+        (the node itself then waits for them), but draws a chain id of its
+        own, so each execution of the body (each Loop iteration) hands its
+        tensors over on a chain no other routine uses.
+        """
+        if not self.nested:
+            return self._trigger()
+        zero = self.fresh("amanda.zero")
+        self.add_node("Constant", [], [zero], "amanda.zero",
+                      value=numpy_helper.from_array(np.array(0, np.int64)))
+        if self.outer_token is None:
+            return zero
+        return self._host_node("AmandaPut_int64", [self.outer_token, zero], "amanda.fork",
+                               f"{key}:{ORDER_SLOT}")
+
+    def _join(self, op):
+        """After a node whose bodies host routines, the graph's next routine
+        waits for the node's first output (so for every execution of its
+        bodies): routines stay in program order across bodies."""
+        for tensor in op.outputs:
+            if tensor.attrs.get("absent") or self.tensor_type(tensor)[0] is None:
+                continue
+            name = self.order_name(tensor)
+            if name is None:
+                return
+            size = self.fresh(f"{op.name}/amanda.join.size")
+            self.add_node("Size", [name], [size], f"{op.name}/amanda.join")
+            token = self.last_token or self._chain_start("amanda.join")
+            self.last_token = self._host_node("AmandaPut_int64", [size, token],
+                                              f"{op.name}/amanda.join",
+                                              f"amanda.join:{ORDER_SLOT}")
+            return
+
     def _trigger(self):
         """An int64 scalar initializer that starts every token chain."""
         names = {t.name for t in self.graph_proto.initializer}
@@ -796,17 +973,29 @@ class _SideBranches(_Lowering):
     recomputed for the routine by a copy of the user's nodes that produce
     it, off the main dataflow.
 
+    Routines of If/Loop/Scan bodies go into the optimised copy of their body,
+    found through the holding node (same op type and outputs: onnxruntime
+    keeps the outputs of nodes it does not fuse away); a fused-away body
+    tensor is recomputed inside that body, an enclosing graph's one in the
+    enclosing graph (bodies read enclosing values by name).
+
     Args:
         graph: the lowered IR graph (``amanda.routine`` ops in it).
         model: the user's ``ModelProto``.
         optimized: the ``ModelProto`` onnxruntime wrote after optimising it.
+
+    Raises:
+        _NotSide: (from `model`) a routine reads a tensor that cannot be
+            recomputed, or a body's holding node is gone from the optimised
+            graph; the routines then run in the user's graph.
     """
 
     def __init__(self, graph, model, optimized):
         super().__init__(graph, callbacks=True)
         self.result = onnx.ModelProto()
         self.result.CopyFrom(optimized)
-        proto = self.graph_proto = self.result.graph
+        self.original = model
+        proto = self.result.graph
         # onnxruntime drops initializers it folded but keeps their graph
         # inputs (IR < 4 lists every initializer as an input): give them
         # their values back, or the model would require them as feeds
@@ -815,24 +1004,50 @@ class _SideBranches(_Lowering):
         for declared in proto.input:
             if declared.name not in present and declared.name in weights:
                 proto.initializer.add().CopyFrom(weights[declared.name])
-        self.available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
-        for node in proto.node:
-            self.available.update(o for o in node.output if o)
-            self.used.add(node.name)
-        self.used |= self.available
-        self.producers = {o: n for n in model.graph.node for o in n.output if o}
-        self.weights = weights
-        self.recomputed = {}
-        self._new_initializers_as_inputs = False
+        _collect_proto_names(proto, self.used)
+        self.scope = None
 
     def model(self):
-        self.ops_by_name = {op.name: op for op in self.top.ops}
-        for op in self.top:
-            if op.type == ROUTINE:
-                self._routine(op)
+        self._attach(self.top, self.result.graph, self.original.graph)
+        # side-branch nodes were appended; onnxruntime wants nodes that
+        # produce a value a body reads (a token) listed before the body's node
+        _sort_nodes(self.result.graph)
         if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         return self.result
+
+    def _attach(self, ir_graph, proto, original):
+        """Attach the routines of ``ir_graph`` to ``proto`` (its optimised
+        version; ``original`` is the user's)."""
+        saved = self._enter_graph(ir_graph), self.scope
+        self.graph_proto = proto
+        self.scope = _Available(proto, original, self.scope)
+        try:
+            for op in ir_graph:
+                if op.type == ROUTINE:
+                    self._routine(op)
+                    continue
+                hosted = self.hosted
+                for (_, attr, index), body in _bodies(op):
+                    if _hosts_routines(body):
+                        self._attach_body(op, attr, index, body, proto, original)
+                if self.hosted != hosted:
+                    self._join(op)
+        finally:
+            self._leave_graph(saved[0])
+            self.scope = saved[1]
+
+    def _attach_body(self, op, attr, index, body, proto, original):
+        outputs = [self.names.get(t, t.name) if not t.attrs.get("absent") else ""
+                   for t in op.outputs]
+        mine = _holding_node(original, op.type, outputs)
+        theirs = _holding_node(proto, op.type, outputs)
+        if mine is None or theirs is None:
+            raise _NotSide(op.name)
+        mine, theirs = _body_proto(mine, attr, index), _body_proto(theirs, attr, index)
+        if mine is None or theirs is None:
+            raise _NotSide(op.name)
+        self._attach(body, theirs, mine)
 
     def name(self, tensor):
         name = self.names.get(tensor)
@@ -843,27 +1058,32 @@ class _SideBranches(_Lowering):
 
     def order_name(self, tensor):
         # waiting for a fused-away tensor would mean recomputing it: skip it
-        return tensor.name if tensor.name in self.available else None
+        return tensor.name if self.scope.visible(tensor.name) else None
 
-    def resolve(self, name):
+    def resolve(self, name, scope=None):
         """The name of the user's tensor ``name`` in the result, recomputing
         it off the main dataflow when the optimiser removed it."""
-        if name in self.available:
+        scope = scope or self.scope
+        if name in scope.available:
             return name
-        found = self.recomputed.get(name)
+        found = scope.recomputed.get(name)
         if found is not None:
             return found
-        weight = self.weights.get(name)
+        weight = scope.weights.get(name)
         if weight is not None:
-            copy = self.graph_proto.initializer.add()
+            copy = scope.proto.initializer.add()
             copy.CopyFrom(weight)
-            copy.name = self.recomputed[name] = self.fresh(name)
+            copy.name = scope.recomputed[name] = self.fresh(name)
             return copy.name
-        node = self.producers.get(name)
-        if node is None or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                               for a in node.attribute):
+        node = scope.producers.get(name)
+        if node is None:
+            if scope.outer is not None:   # a value of an enclosing graph
+                return self.resolve(name, scope.outer)
             raise _NotSide(name)
-        inputs = [self.resolve(i) if i else "" for i in node.input]
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for a in node.attribute):
+            raise _NotSide(name)
+        inputs = [self.resolve(i, scope) if i else "" for i in node.input]
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = self.fresh(f"{node.name or node.op_type}/amanda.recomputed")
@@ -872,12 +1092,99 @@ class _SideBranches(_Lowering):
         outputs = []
         for output in node.output:
             if output:
-                self.recomputed[output] = self.fresh(f"{output}/amanda.recomputed")
-            outputs.append(self.recomputed.get(output, ""))
+                scope.recomputed[output] = self.fresh(f"{output}/amanda.recomputed")
+            outputs.append(scope.recomputed.get(output, ""))
         del copy.output[:]
         copy.output.extend(outputs)
-        self.graph_proto.node.append(copy)
-        return self.recomputed[name]
+        scope.proto.node.append(copy)
+        return scope.recomputed[name]
+
+
+class _Available:
+    """Names of one graph of the optimised model (and the user's version of it)."""
+
+    def __init__(self, proto, original, outer):
+        self.proto = proto
+        self.outer = outer
+        self.available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
+        for node in proto.node:
+            self.available.update(o for o in node.output if o)
+        self.producers = {o: n for n in original.node for o in n.output if o}
+        self.weights = {i.name: i for i in original.initializer}
+        self.recomputed = {}
+
+    def visible(self, name):
+        return name in self.available or (self.outer is not None and self.outer.visible(name))
+
+
+def _hosts_routines(graph):
+    return any(op.type == ROUTINE or any(_hosts_routines(b) for _, b in _bodies(op))
+               for op in graph.ops)
+
+
+def _holding_node(proto, op_type, outputs):
+    """The node of ``proto`` of type ``op_type`` with these outputs (None if
+    there is not exactly one)."""
+    found = [n for n in proto.node if n.op_type == op_type and list(n.output) == outputs]
+    return found[0] if len(found) == 1 else None
+
+
+def _body_proto(node, attr, index):
+    for attribute in node.attribute:
+        if attribute.name == attr:
+            if index is None:
+                return attribute.g if attribute.HasField("g") else None
+            return attribute.graphs[index] if index < len(attribute.graphs) else None
+    return None
+
+
+def _sort_nodes(proto):
+    """Order the nodes of a GraphProto (and of its bodies) topologically,
+    keeping the present order where it is one; values a body reads from
+    this graph count as inputs of the node holding it."""
+    import heapq
+
+    from amanda.frontends.onnx import _free_variables
+    nodes = list(proto.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    users = [[] for _ in nodes]
+    pending = [0] * len(nodes)
+    for k, node in enumerate(nodes):
+        reads = set(node.input)
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _sort_nodes(sub)
+                reads.update(_free_variables(sub))
+        for name in reads:
+            j = producer.get(name)
+            if j is not None and j != k:
+                users[j].append(k)
+                pending[k] += 1
+    ready = [k for k, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for user in users[k]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) == len(nodes) and order != list(range(len(nodes))):
+        del proto.node[:]
+        proto.node.extend(nodes[k] for k in order)
+
+
+def _collect_proto_names(proto, names):
+    """Every tensor and node name of a GraphProto and its bodies."""
+    names.update(i.name for i in proto.input)
+    names.update(i.name for i in proto.initializer)
+    for node in proto.node:
+        names.add(node.name)
+        names.update(o for o in node.output if o)
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _collect_proto_names(sub, names)
 
 
 def returns_only_none(func):
