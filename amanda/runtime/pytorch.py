@@ -332,34 +332,48 @@ class _ThreadState:
         self.mode = None
         self.modules = []       # weak references to the modules being called
         self.counts = {}        # site key -> occurrences in this step (ops in modules)
-        self.parents = {}       # id(module) -> stack above its last call this step
+        self.segments = {}      # id(module) -> [(inputs, stack, counts)] of checkpointed calls
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
         self.saved = None       # the step's counts, while recomputing
         self.muted = None       # disabled flag to restore after a muted recomputation
+        self.segment_cache = None   # the scope's cache, while a segment runs under another
 
     def new_step(self):
         self.counts.clear()
-        self.parents.clear()
+        self.segments.clear()
 
-    def recompute(self, module):
+    def checkpointed(self, module, args):
+        """The forward pass calls ``module`` as a checkpointed segment: keep
+        where it stands (module stack, occurrence counts), for its
+        recomputation in backward."""
+        self.segments.setdefault(id(module), []).append(
+            (_segment_key(args), self.modules[:], dict(self.counts), self.cache))
+
+    def recompute(self, module, args):
         """A module called with no module around it during a backward pass:
         activation checkpointing recomputes a forward segment. Its ops take
-        the module stack and the ids of their first execution: the stack is
-        the one the module had when the step called it, and occurrences are
-        counted afresh for the segment."""
-        base = self.parents.get(id(module))
-        self.modules[:] = base if base is not None else ()
+        the module stack and the ids of their first execution: the segment is
+        found by its module and inputs (a module checkpointed twice in a step
+        is two segments), and its counts restart where they stood then."""
+        key = _segment_key(args)
+        entry = next((e for e in self.segments.get(id(module), ()) if e[0] == key), None)
+        base, counts, cache = entry[1:] if entry is not None else ((), {}, None)
+        self.modules[:] = base
         self.base = len(self.modules)
-        if base is None:
-            # Not called by this step's instrumented forward pass: it ran
-            # inside disabled() (or before apply), so its recomputation does too.
+        if cache is None or not cache.session.active:
+            # Not run by an instrumented forward pass that is still applied:
+            # it ran inside disabled(), before apply, in an apply scope that
+            # has ended (or is not a checkpointed segment amanda saw), so its
+            # recomputation is not instrumented either.
             self.muted, _CONTROLS.disabled = _CONTROLS.disabled, True
+        elif cache is not self.cache:
+            # recomputed under the tools that ran it, not those of today's scope
+            self.segment_cache, self.cache = self.cache, cache
         if not self.recomputing:
             self.recomputing = True
-            self.saved, self.counts = self.counts, {}
-        else:
-            self.counts.clear()
+            self.saved = self.counts
+        self.counts = dict(counts)
 
     def end_recompute(self):
         if self.recomputing:
@@ -367,6 +381,9 @@ class _ThreadState:
             self.counts, self.saved = self.saved, None
 
     def reset(self, cache):
+        if self.muted is not None:     # a segment interrupted by an error
+            _CONTROLS.disabled, self.muted = self.muted, None
+        self.segment_cache = None
         self.cache = cache
         self.end_recompute()
         self.new_step()
@@ -404,13 +421,41 @@ def _module_pre_hook(module, args):
     modules = st.modules
     if not modules:
         if _in_backward() != -1:
-            st.recompute(module)     # activation checkpointing in backward
+            st.recompute(module, args)     # activation checkpointing in backward
         else:
             st.end_recompute()
-            st.new_step()            # a root module call starts a step
-    if not st.recomputing:
-        st.parents[id(module)] = modules[:]
+            st.new_step()                  # a root module call starts a step
+    if _called_by_machinery(_getframe(1)):
+        st.checkpointed(module, args)
     modules.append(weakref.ref(module))
+
+
+def _called_by_machinery(frame):
+    """Whether the module call running this hook was made, directly or
+    through the user's wrapper function, by torch's checkpointing machinery
+    (a checkpointed segment's forward): looking up the stack from the call,
+    a checkpoint frame comes before the call of any enclosing module."""
+    while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
+        frame = frame.f_back           # this call's own Module.__call__ frames
+    while frame is not None:
+        kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
+        if kind is _MACHINERY:
+            return True
+        if kind is _BOUNDARY:
+            return False
+        frame = frame.f_back
+    return False
+
+
+def _segment_key(args):
+    """What tells two checkpointed calls of one module apart: the storage of
+    their first tensor input (reentrant checkpointing recomputes on detached
+    copies, which share it)."""
+    for value in args:
+        if isinstance(value, _Tensor):
+            return (value.untyped_storage().data_ptr(), value.storage_offset(),
+                    tuple(value.shape))
+    return None
 
 
 def _module_post_hook(module, args, output):
@@ -425,6 +470,8 @@ def _module_post_hook(module, args, output):
             st.base = 0
             if st.muted is not None:
                 _CONTROLS.disabled, st.muted = st.muted, None
+            if st.segment_cache is not None:
+                st.cache, st.segment_cache = st.segment_cache, None
 
 
 # Module types that only wrap the user's model (amanda.export's call wrapper
@@ -761,7 +808,10 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         # its outputs are the tensors it modified, its first argument.
         outputs = _modified_tensors(args)
     nodes = ()
-    if (record.watch or cache.trace is not None) and _grad_enabled():
+    if _grad_enabled() and (record.watch or cache.trace is not None or (
+            session.has_backward and _sequence_nr() - mark != record.nodes)):
+        # (a changed count of new autograd nodes: an input that now requires
+        # grad makes backward ops this op did not have before)
         nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
         record.walked = True
         record.nodes = _sequence_nr() - mark
