@@ -312,8 +312,23 @@ def _chosen(original, new, flag):
     kept, _ = tf.raw_ops.Switch(data=original, pred=flag)
     _, replaced = tf.raw_ops.Switch(data=new, pred=flag)
     chosen = tf.raw_ops.Merge(inputs=[kept, replaced]).output
-    chosen.set_shape(original.shape)
-    return chosen
+    return _shaped(chosen, original.shape)
+
+
+def _shaped(tensor, shape):
+    """``tensor``, its static ``shape`` stated in the graph itself.
+
+    ``set_shape`` informs Python only: Grappler infers shapes from the
+    GraphDef, where a PyFunc's outputs (and a Merge reading one) have none.
+    Without them it cannot fold shape computations or rewrite sums as it does
+    in the plain graph (MobileNetV2's gradients came out summed in another
+    order), so even an observing routine changed the numbers. EnsureShape
+    gives Grappler the shape, at the cost of a check when the graph runs.
+    """
+    tensor.set_shape(shape)
+    if shape.rank is None:
+        return tensor
+    return tf.ensure_shape(tensor, shape)
 
 
 def _observer(action, where, count, hosted, dtypes):
@@ -542,9 +557,8 @@ class _GraphRewrite:
             tensors = tf.numpy_function(func, inputs, [t.dtype for t in like], stateful=True,
                                         name=name)
             tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-            for new, old in zip(tensors, like):
-                new.set_shape(old.shape)
             routine = tensors[0].op if tensors else None
+            tensors = [_shaped(new, old.shape) for new, old in zip(tensors, like)]
         elif not hosted:   # nothing to pass: a bare callback ordered by control edges
             func = _observer(action, where, len(inputs), hosted, [])
             routine = tf.numpy_function(func, [tf.constant(0)], [tf.int32], stateful=True,
