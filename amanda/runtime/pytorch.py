@@ -357,7 +357,10 @@ class _ThreadState:
         found by its module and inputs (a module checkpointed twice in a step
         is two segments), and its counts restart where they stood then."""
         key = _segment_key(args)
-        entry = next((e for e in self.segments.get(id(module), ()) if e[0] == key), None)
+        # newest first: backward recomputes segments in reverse order, and a
+        # stale entry's input storage may have been freed and reused since
+        entry = next((e for e in reversed(self.segments.get(id(module), ())) if e[0] == key),
+                     None)
         base, counts, cache = entry[1:] if entry is not None else ((), {}, None)
         self.modules[:] = base
         self.base = len(self.modules)
@@ -421,10 +424,13 @@ def _module_pre_hook(module, args):
     modules = st.modules
     if not modules:
         if _in_backward() != -1:
-            st.recompute(module, args)     # activation checkpointing in backward
-        else:
-            st.end_recompute()
-            st.new_step()                  # a root module call starts a step
+            # activation checkpointing recomputes a segment in backward; the
+            # recomputing call is not a new segment of its own
+            st.recompute(module, args)
+            modules.append(weakref.ref(module))
+            return
+        st.end_recompute()
+        st.new_step()                      # a root module call starts a step
     if _called_by_machinery(_getframe(1)):
         st.checkpointed(module, args)
     modules.append(weakref.ref(module))
