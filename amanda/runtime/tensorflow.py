@@ -579,6 +579,13 @@ class _GraphRewrite:
         if routine is not None:
             origins = [self.copy.get_tensor_by_name(_origin(t)) for t in op.inputs]
             self._before_writers(routine, origins, inputs)
+            if op.attrs["kind"].startswith("after"):
+                # a before-routine passing no tensor is a control input of the
+                # op, which never runs when the op is fed (a placeholder) or
+                # folded (a Const under Grappler): waiting on it here makes an
+                # op that gets its after-routines get its before-routines too
+                for before in self._bare_before.get(target.name, ()):
+                    routine._add_control_input(before)
         self.realised[action] = tensors
         self._record_final(op, tensors)
         return tensors
@@ -656,7 +663,14 @@ class _GraphRewrite:
         and before everything that reads the op's outputs or waits on it.
         """
         if kind.startswith("before"):
-            target._add_control_input(routine)
+            if target.type == "Placeholder":
+                # a fed placeholder never runs, nor do its control inputs:
+                # its readers wait on the routine instead
+                for output in target.outputs:
+                    for reader in output.consumers():
+                        reader._add_control_input(routine)
+            else:
+                target._add_control_input(routine)
             self._bare_before.setdefault(target.name, []).append(routine)
             return
         previous = self.last_after.get(target.name, target)
