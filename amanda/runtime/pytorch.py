@@ -333,6 +333,7 @@ class _ThreadState:
         self.modules = []       # weak references to the modules being called
         self.counts = {}        # site key -> occurrences in this step (ops in modules)
         self.segments = {}      # id(module) -> [(inputs, stack, counts)] of checkpointed calls
+        self.parents = {}       # id(module) -> stack above its last call this step
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
         self.saved = None       # the step's counts, while recomputing
@@ -342,6 +343,7 @@ class _ThreadState:
     def new_step(self):
         self.counts.clear()
         self.segments.clear()
+        self.parents.clear()
 
     def checkpointed(self, module, args):
         """The forward pass calls ``module`` as a checkpointed segment: keep
@@ -350,18 +352,26 @@ class _ThreadState:
         self.segments.setdefault(id(module), []).append(
             (_segment_key(args), self.modules[:], dict(self.counts), self.cache))
 
-    def recompute(self, module, args):
-        """A module called with no module around it during a backward pass:
-        activation checkpointing recomputes a forward segment. Its ops take
-        the module stack and the ids of their first execution: the segment is
-        found by its module and inputs (a module checkpointed twice in a step
-        is two segments), and its counts restart where they stood then."""
-        key = _segment_key(args)
-        # newest first: backward recomputes segments in reverse order, and a
-        # stale entry's input storage may have been freed and reused since
-        entry = next((e for e in reversed(self.segments.get(id(module), ())) if e[0] == key),
-                     None)
-        base, counts, cache = entry[1:] if entry is not None else ((), {}, None)
+    def recompute(self, module, args, by_checkpoint):
+        """A module called during a backward pass by torch's checkpointing
+        (directly, or through the checkpointed function), or with no module
+        around it: a forward segment is recomputed. Its ops take the module
+        stack and the ids of their first execution: the segment is found by
+        its module and inputs (a module checkpointed twice in a step is two
+        segments), and its counts restart where they stood then. The stack
+        stays after the module returns, so the checkpointed function's own
+        ops (transformers checkpoints a layer's ``forward``) keep their
+        module. Forward ops recomputed by other code (a Python autograd
+        function's backward, e.g. Reformer) take the stack of the module's
+        last forward call."""
+        self.end_segment()
+        entry = self.segment(module, args)
+        if entry is not None:
+            base, counts, cache = entry[1:]
+        elif by_checkpoint:
+            base, counts, cache = (), {}, None
+        else:
+            base, counts, cache = self.parents.get(id(module), ()), {}, self.cache
         self.modules[:] = base
         self.base = len(self.modules)
         if cache is None or not cache.session.active:
@@ -378,15 +388,31 @@ class _ThreadState:
             self.saved = self.counts
         self.counts = dict(counts)
 
+    def segment(self, module, args):
+        """The checkpointed call of ``module`` on ``args`` in this step, if any."""
+        key = _segment_key(args)
+        # newest first: backward recomputes segments in reverse order, and a
+        # stale entry's input storage may have been freed and reused since
+        return next((e for e in reversed(self.segments.get(id(module), ())) if e[0] == key),
+                    None)
+
+    def end_segment(self):
+        """A recomputed segment's module returned: its mute and tools end."""
+        if self.muted is not None:
+            _CONTROLS.disabled, self.muted = self.muted, None
+        if self.segment_cache is not None:
+            self.cache, self.segment_cache = self.segment_cache, None
+
     def end_recompute(self):
         if self.recomputing:
+            self.end_segment()
             self.recomputing = False
             self.counts, self.saved = self.saved, None
+            self.modules.clear()
+            self.base = 0
 
     def reset(self, cache):
-        if self.muted is not None:     # a segment interrupted by an error
-            _CONTROLS.disabled, self.muted = self.muted, None
-        self.segment_cache = None
+        self.end_segment()             # a segment interrupted by an error
         self.cache = cache
         self.end_recompute()
         self.new_step()
@@ -422,17 +448,21 @@ def _module_pre_hook(module, args):
         with DRIVER._lock:
             _compile_eagerly()     # compiled after apply was entered
     modules = st.modules
-    if not modules:
-        if _in_backward() != -1:
-            # activation checkpointing recomputes a segment in backward; the
-            # recomputing call is not a new segment of its own
-            st.recompute(module, args)
-            modules.append(weakref.ref(module))
-            return
-        st.end_recompute()
-        st.new_step()                      # a root module call starts a step
-    if _called_by_machinery(_getframe(1)):
-        st.checkpointed(module, args)
+    by_checkpoint = _called_by_machinery(_getframe(1))
+    if _in_backward() != -1:
+        if by_checkpoint and len(modules) > st.base and st.segment(module, args) is None:
+            st.checkpointed(module, args)  # a checkpoint's first run inside a recomputation
+        elif by_checkpoint or not modules:
+            st.recompute(module, args, by_checkpoint)
+    else:
+        if st.recomputing:
+            st.end_recompute()
+        if not modules:
+            st.new_step()                  # a root module call starts a step
+        else:
+            st.parents[id(module)] = modules[:]
+        if by_checkpoint:
+            st.checkpointed(module, args)
     modules.append(weakref.ref(module))
 
 
@@ -472,12 +502,7 @@ def _module_post_hook(module, args, output):
     if modules and modules[-1]() is module:
         modules.pop()
         if st.recomputing and len(modules) == st.base:
-            modules.clear()          # the recomputed segment is over
-            st.base = 0
-            if st.muted is not None:
-                _CONTROLS.disabled, st.muted = st.muted, None
-            if st.segment_cache is not None:
-                st.cache, st.segment_cache = st.segment_cache, None
+            st.end_segment()         # the stack stays: see _ThreadState.recompute
 
 
 # Module types that only wrap the user's model (amanda.export's call wrapper
@@ -545,6 +570,10 @@ class _Mode(TorchFunctionMode):
         st = self.st
         modules = st.modules
         key = (modules[-1] if modules else None, id(frame.f_code), frame.f_lasti, func)
+        if st.recomputing and _in_backward() == -1:
+            st.end_recompute()             # the backward pass is over
+            modules = st.modules
+            key = (None, key[1], key[2], func)
         if modules:
             counts = st.counts
             n = counts.get(key, 0)
@@ -906,7 +935,7 @@ def _check_replacement(action, result, spec, where):
             raise fail(f"returned {_describe_value(result)}; the op returns one tensor "
                        "(return a tensor, not a sequence)")
         got, want = (result.shape, result.dtype), spec
-        if got != want and not _tracing():
+        if not _tracing() and got != want:
             raise fail(f"returned a tensor of shape {list(got[0])} and dtype {got[1]}; "
                        f"the op returns shape {list(want[0])} and dtype {want[1]}")
         return result
