@@ -663,13 +663,10 @@ class _GraphRewrite:
         and before everything that reads the op's outputs or waits on it.
         """
         if kind.startswith("before"):
-            if target.type == "Placeholder":
-                # a fed placeholder never runs, nor do its control inputs:
-                # its readers wait on the routine instead
-                for output in target.outputs:
-                    for reader in output.consumers():
-                        reader._add_control_input(routine)
-            else:
+            # a fed placeholder never runs, nor do its control inputs; its
+            # after-routines wait on the routine (in _routine), and an edge to
+            # the placeholder would let Grappler drop theirs as redundant
+            if target.type != "Placeholder":
                 target._add_control_input(routine)
             self._bare_before.setdefault(target.name, []).append(routine)
             return

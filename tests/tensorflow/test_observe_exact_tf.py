@@ -15,21 +15,25 @@ tf = pytest.importorskip("tensorflow")
 
 
 class ObserveAll(amanda.Tool):
-    """A routine before and after every forward and backward op; it only counts."""
+    """A routine before and after every forward and backward op (or every op
+    of the types given); it only counts."""
 
-    def __init__(self):
+    def __init__(self, types=None):
         super().__init__()
+        self.types = types
         self.calls = 0
         self.add_inst_for_op(self.forward)
         self.add_inst_for_op(self.backward, backward=True)
 
     def forward(self, context):
-        context.insert_before_op(self.observe)
-        context.insert_after_op(self.observe)
+        if self.types is None or context.get_op().type in self.types:
+            context.insert_before_op(self.observe)
+            context.insert_after_op(self.observe)
 
     def backward(self, context):
-        context.insert_before_backward_op(self.observe)
-        context.insert_after_backward_op(self.observe)
+        if self.types is None:
+            context.insert_before_backward_op(self.observe)
+            context.insert_after_backward_op(self.observe)
 
     def observe(self, *tensors):
         self.calls += 1
@@ -45,7 +49,7 @@ def _images():
     return np.random.RandomState(0).rand(2, 32, 32, 3).astype(np.float32)
 
 
-def test_observing_mobilenetv2_session_is_bit_exact():
+def _session_run(tool, config=None):
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [2, 32, 32, 3])
@@ -53,12 +57,33 @@ def test_observing_mobilenetv2_session_is_bit_exact():
         loss = tf.reduce_sum(model(x, training=True))
         grads = tf.compat.v1.gradients(loss, model.trainable_weights)
         init = tf.compat.v1.variables_initializer([w.value for w in model.weights])
-    with tf.compat.v1.Session(graph=graph) as session:
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
         session.run(init)
         expected = session.run([loss] + grads, {x: _images()})
-        tool = ObserveAll()
         with amanda.apply(tool):
             actual = session.run([loss] + grads, {x: _images()})
+    return expected, actual
+
+
+def test_observing_convolutions_keeps_mobilenetv2_bit_exact():
+    """Default Grappler options. Without the shapes stated in the graph, one
+    observed convolution was enough to change every gradient."""
+    tool = ObserveAll(types={"Conv2D"})
+    expected, actual = _session_run(tool)
+    assert tool.calls >= 2 * 35
+    _assert_same(expected, actual)
+
+
+def test_observing_every_op_of_mobilenetv2_is_bit_exact_without_reassociation():
+    """Every forward and backward op observed; Grappler's arithmetic
+    optimizer off in both runs (it re-associates chains that routines on
+    every op break up, see the tf.function test below)."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    config = tf.compat.v1.ConfigProto()
+    config.graph_options.rewrite_options.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    tool = ObserveAll()
+    expected, actual = _session_run(tool, config)
     assert tool.calls > 1000
     _assert_same(expected, actual)
 
