@@ -345,12 +345,12 @@ class _ThreadState:
         self.segments.clear()
         self.parents.clear()
 
-    def checkpointed(self, module, args):
+    def checkpointed(self, module, args, how):
         """The forward pass calls ``module`` as a checkpointed segment: keep
         where it stands (module stack, occurrence counts), for its
         recomputation in backward."""
         self.segments.setdefault(id(module), []).append(
-            (_segment_key(args), self.modules[:], dict(self.counts), self.cache))
+            (_segment_key(args), self.modules[:], dict(self.counts), self.cache, how))
 
     def recompute(self, module, args, by_checkpoint):
         """A module called during a backward pass by torch's checkpointing
@@ -367,7 +367,7 @@ class _ThreadState:
         self.end_segment()
         entry = self.segment(module, args)
         if entry is not None:
-            base, counts, cache = entry[1:]
+            base, counts, cache = entry[1:4]
         elif by_checkpoint:
             base, counts, cache = (), {}, None
         else:
@@ -389,12 +389,22 @@ class _ThreadState:
         self.counts = dict(counts)
 
     def segment(self, module, args):
-        """The checkpointed call of ``module`` on ``args`` in this step, if any."""
+        """The checkpointed call of ``module`` on ``args`` in this step, if any.
+
+        A module that checkpoint calls itself gets the segment's saved
+        inputs back (or detached views of them): it is found by their
+        storage. A module called by a checkpointed function (a layer's
+        ``forward``) gets recomputed inputs in new storage: it is found by
+        being the only such call of that module in the step, or else by
+        storage, newest first, then the newest."""
+        entries = self.segments.get(id(module), ())
         key = _segment_key(args)
         # newest first: backward recomputes segments in reverse order, and a
         # stale entry's input storage may have been freed and reused since
-        return next((e for e in reversed(self.segments.get(id(module), ())) if e[0] == key),
-                    None)
+        found = next((e for e in reversed(entries) if e[0] == key), None)
+        if found is None and entries and entries[-1][4] == _THROUGH_FUNCTION:
+            found = entries[-1]
+        return found
 
     def end_segment(self):
         """A recomputed segment's module returned: its mute and tools end."""
@@ -451,7 +461,7 @@ def _module_pre_hook(module, args):
     by_checkpoint = _called_by_machinery(_getframe(1))
     if _in_backward() != -1:
         if by_checkpoint and len(modules) > st.base and st.segment(module, args) is None:
-            st.checkpointed(module, args)  # a checkpoint's first run inside a recomputation
+            st.checkpointed(module, args, by_checkpoint)  # a first run inside a recomputation
         elif by_checkpoint or not modules:
             st.recompute(module, args, by_checkpoint)
     else:
@@ -462,7 +472,7 @@ def _module_pre_hook(module, args):
         else:
             st.parents[id(module)] = modules[:]
         if by_checkpoint:
-            st.checkpointed(module, args)
+            st.checkpointed(module, args, by_checkpoint)
     modules.append(weakref.ref(module))
 
 
@@ -470,17 +480,26 @@ def _called_by_machinery(frame):
     """Whether the module call running this hook was made, directly or
     through the user's wrapper function, by torch's checkpointing machinery
     (a checkpointed segment's forward): looking up the stack from the call,
-    a checkpoint frame comes before the call of any enclosing module."""
+    a checkpoint frame comes before the call of any enclosing module.
+
+    Returns:
+        ``_DIRECTLY``, ``_THROUGH_FUNCTION``, or None when checkpoint did not
+        make the call."""
     while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
         frame = frame.f_back           # this call's own Module.__call__ frames
+    how = _DIRECTLY
     while frame is not None:
         kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
         if kind is _MACHINERY:
-            return True
+            return how
         if kind is _BOUNDARY:
-            return False
+            return None
+        how = _THROUGH_FUNCTION
         frame = frame.f_back
-    return False
+    return None
+
+
+_DIRECTLY, _THROUGH_FUNCTION = "directly", "through a function"
 
 
 def _segment_key(args):
