@@ -594,7 +594,18 @@ class _Scope:
 
 
 def _topological(needs, nodes):
-    """Kahn's algorithm, always taking the earliest ready node."""
+    """A topological order of ``nodes``; raises on a cycle."""
+    order = kahn_order(needs)
+    if len(order) < len(needs):
+        stuck = min(set(range(len(needs))) - set(order))
+        raise BackendError(f"{_node_label(nodes[stuck], stuck)} is part of a cycle: its inputs "
+                           "depend on its own outputs")
+    return order
+
+
+def kahn_order(needs):
+    """Kahn's algorithm, always taking the earliest ready node: ``needs[k]``
+    lists the nodes node ``k`` reads from. Nodes on a cycle are left out."""
     users = [[] for _ in needs]
     pending = [len(n) for n in needs]
     for index, node_needs in enumerate(needs):
@@ -610,10 +621,6 @@ def _topological(needs, nodes):
             pending[user] -= 1
             if pending[user] == 0:
                 heapq.heappush(ready, user)
-    if len(order) < len(needs):
-        stuck = min(set(range(len(needs))) - set(order))
-        raise BackendError(f"{_node_label(nodes[stuck], stuck)} is part of a cycle: its inputs "
-                           "depend on its own outputs")
     return order
 
 

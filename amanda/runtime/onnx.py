@@ -1142,34 +1142,18 @@ def _sort_nodes(proto):
     """Order the nodes of a GraphProto (and of its bodies) topologically,
     keeping the present order where it is one; values a body reads from
     this graph count as inputs of the node holding it."""
-    import heapq
-
-    from amanda.frontends.onnx import _free_variables
+    from amanda.frontends.onnx import _free_variables, kahn_order
     nodes = list(proto.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    users = [[] for _ in nodes]
-    pending = [0] * len(nodes)
+    needs = []
     for k, node in enumerate(nodes):
         reads = set(node.input)
         for attribute in node.attribute:
             for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 _sort_nodes(sub)
                 reads.update(_free_variables(sub))
-        for name in reads:
-            j = producer.get(name)
-            if j is not None and j != k:
-                users[j].append(k)
-                pending[k] += 1
-    ready = [k for k, count in enumerate(pending) if count == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        k = heapq.heappop(ready)
-        order.append(k)
-        for user in users[k]:
-            pending[user] -= 1
-            if pending[user] == 0:
-                heapq.heappush(ready, user)
+        needs.append([j for j in map(producer.get, reads) if j is not None and j != k])
+    order = kahn_order(needs)
     if len(order) == len(nodes) and order != list(range(len(nodes))):
         del proto.node[:]
         proto.node.extend(nodes[k] for k in order)
