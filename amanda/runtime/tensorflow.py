@@ -469,8 +469,12 @@ class _GraphRewrite:
         tensor = self.copy.get_tensor_by_name(name)
         last = self.last_after.get(tensor.op.name)
         if last is not None:
-            with self.copy.as_default(), tf.control_dependencies([last]):
+            with self.copy.as_default():
                 tensor = tf.identity(tensor, name="amanda/fetch")
+            # the edge goes on the new identity only: tf.control_dependencies
+            # would also set an attribute on `last`, which may already have run
+            # in a session (TF then warns that the mutation has no effect)
+            tensor.op._add_control_input(last)
             self.final[name] = tensor
         return tensor
 
