@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import amanda
+from amanda.cli_table import Table, print_table, print_table_object, use_rich
 
 DEFAULT_OUT = "amanda-out"
 
@@ -65,8 +66,53 @@ class UsageError(Exception):
 def _model_help():
     from amanda import models
     names = ", ".join(models.available())
-    return (f"built-in models: {names}; or path/to/file.py:factory where factory() "
-            "returns (model, inputs)")
+    return (f"a built-in PyTorch model ({names}); keras:NAME[:SIZE], a Keras model in a "
+            "TF graph (keras:cnn, keras:resnet50, keras:mobilenetv2:96); "
+            "path/to/model.onnx, run in onnxruntime; or path/to/file.py:factory, where "
+            "factory() returns (model, inputs) of a PyTorch model (the file imports like a "
+            "script: its folder is on sys.path). `amanda models` lists them")
+
+
+def _count(minimum, what="an integer"):
+    """An argparse type: an int >= ``minimum``, else a clear usage error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def _fraction(text):
+    """An argparse type: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def _bits(text):
+    """An argparse type: 0 (leave in float) or 2..16 bits."""
+    value = _count(0)(text)
+    if value == 1 or value > 16:
+        raise argparse.ArgumentTypeError(f"must be 0 (float) or 2 to 16 bits, got {value}")
+    return value
+
+
+def _pytorch_only(specs, command, why):
+    """Reject Keras and ONNX specs before anything runs."""
+    for spec in specs:
+        if spec.startswith("keras:") or spec.endswith(".onnx"):
+            kind = "a TensorFlow" if spec.startswith("keras:") else "an ONNX"
+            raise UsageError(f"{spec} is {kind} model; `amanda {command}` is PyTorch-only "
+                             f"({why})")
 
 
 class _Workloads:
@@ -102,16 +148,6 @@ def _write_json(out_dir, filename, data):
     return path
 
 
-def _table(headers, rows, align):
-    """Rows of cells as a ``|``-separated text table; ``align`` is one of
-    ``<``/``>`` per column."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-
-    def line(cells):
-        return " | ".join(f"{c!s:{a}{w}}" for c, a, w in zip(cells, align, widths)).rstrip()
-
-    rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule] + [line(row) for row in rows])
 
 
 # -- coverage -----------------------------------------------------------------------------
@@ -143,7 +179,7 @@ def _coverage_note(report):
 
 
 def coverage_table(reports):
-    """The coverage reports as a text table with a legend."""
+    """The coverage reports as a :class:`~amanda.cli_table.Table` with a legend."""
     rows = []
     for r in reports:
         hooks_backward = "error" if r["hooks_backward"] is None else r["hooks_backward"]
@@ -151,10 +187,8 @@ def coverage_table(reports):
                      f"{r['amanda_forward']} / {r['hooks_forward']} ({r['hooks_forward_leaf']})",
                      f"{r['amanda_backward']} / {hooks_backward}",
                      _coverage_note(r)])
-    table = _table(["model", "forward points amanda / hooks (leaf)",
-                    "backward points amanda / hooks", "note"], rows, "<>><")
-    errors = "".join(f"\n{r['model']}: full backward hooks raise "
-                     f"{_first_sentence(r['hooks_error'])}." for r in reports if r["hooks_error"])
+    errors = [f"{r['model']}: full backward hooks raise {_first_sentence(r['hooks_error'])}."
+              for r in reports if r["hooks_error"]]
     legend = textwrap.dedent("""\
         amanda: a point per op call and per autograd node (gradient accumulators
         included), loss included. hooks: forward hook calls on every module, containers
@@ -163,7 +197,9 @@ def coverage_table(reports):
         directly in a module with children, so no module hook corresponds to them;
         "share a module hook": ops of a leaf module that runs several
         (see amanda/tools/coverage.py).""")
-    return table + errors + "\n\n" + legend
+    return Table(["model", "forward points amanda / hooks (leaf)",
+                  "backward points amanda / hooks", "note"], rows, "<>><",
+                 notes=errors + ["", legend])
 
 
 def _run_coverage(specs, workloads, log):
@@ -178,8 +214,9 @@ def _run_coverage(specs, workloads, log):
 
 
 def run_coverage(args):
+    _pytorch_only(args.models, "coverage", "it compares amanda with PyTorch module hooks")
     reports = _run_coverage(args.models, _Workloads(args.models), _stderr)
-    print(coverage_table(reports))
+    print_table_object(coverage_table(reports))
     path = _write_json(args.out, "coverage.json", reports)
     print(f"\nfull report: {path}")
     return 0
@@ -243,12 +280,13 @@ def _run_counter(specs, workloads):
                         "backward": tool.backward_counters})
         rows.append([spec, *tool.counters.values(), *tool.backward_counters.values()])
     headers = ["model", *DEMO_OPS, *(f"{n}*Backward" for n in DEMO_BACKWARD_OPS)]
-    return _table(headers, rows, "<" + ">" * (len(headers) - 1)), results
+    return Table(headers, rows), results
 
 
 def run_demo(args):
     count_models = args.models or DEMO_COUNT_MODELS
     coverage_models = args.models or DEMO_COVERAGE_MODELS
+    _pytorch_only(count_models, "demo", "its coverage part compares with module hooks")
     workloads = _Workloads(count_models, coverage_models)
     start = time.perf_counter()
 
@@ -256,14 +294,14 @@ def run_demo(args):
     print("1. The tutorial's counting tool, applied unchanged to each model:\n")
     print(textwrap.indent(_count_tool_listing(), "    "))
     table, counts = _run_counter(count_models, workloads)
-    print(textwrap.indent(table, "    "))
+    print_table_object(table, indent=4)
     if "bert" in count_models:
         print("\n    The loss is last_hidden_state.sum(): BERT's pooler (one linear) gets no")
         print("    gradient, so 73 linear ops run forward and 72 Addmm backward.")
 
     print("\n2. Instrumentation points: amanda vs PyTorch module hooks (paper Fig. 9)\n")
     reports = _run_coverage(coverage_models, workloads, _stderr)
-    print(textwrap.indent(coverage_table(reports), "    "))
+    print_table_object(coverage_table(reports), indent=4)
 
     tools_model = (args.models or [DEMO_TOOLS_MODEL])[0]
     print(f"\n3. More built-in tools, on {tools_model} (each is an `amanda` command):\n")
@@ -338,6 +376,30 @@ class MissingPiece(UsageError):
     """A subcommand needs a module that is not in this installation."""
 
 
+# The extra of pyproject.toml that installs each optional top-level module;
+# "" for the core dependencies (a broken install: reinstall amanda).
+EXTRA_OF_MODULE = {
+    "torch": "torch", "transformers": "torch",
+    "tensorflow": "tensorflow", "keras": "tensorflow",
+    "onnx": "onnx", "onnxruntime": "onnx", "onnxruntime_extensions": "onnx",
+    "onnxscript": "onnx", "tf2onnx": "onnx",
+    "matplotlib": "viz", "networkx": "viz",
+    "numpy": "", "rich": "",
+}
+
+
+def missing_extra_message(command, error):
+    """One line naming the command, the missing module and the ``pip install``
+    that brings it, or None when ``error`` is not about an optional module."""
+    module = (getattr(error, "name", None) or "").partition(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        return None
+    target = f"'amanda[{extra}]'" if extra else "amanda"
+    return (f"amanda {command}: needs {module}, which is not installed; "
+            f"pip install {target}")
+
+
 def _require(module, command, what):
     """Import ``module`` or fail naming the missing piece."""
     import importlib
@@ -361,35 +423,14 @@ def _load(spec, command, frameworks=("pytorch", "tensorflow", "onnx")):
     return workload
 
 
-def _use_rich():
-    import importlib.util
-    return (sys.stdout.isatty() and not os.environ.get("AMANDA_PLAIN")
-            and importlib.util.find_spec("rich") is not None)
-
-
-def _print_table(headers, rows, align, title=None):
-    """Print a table: a rich table on a terminal, plain text otherwise
-    (pipes, files, tests, ``AMANDA_PLAIN=1``)."""
-    rows = [[str(cell) for cell in row] for row in rows]
-    if _use_rich():
-        from rich.console import Console
-        from rich.table import Table
-        table = Table(title=title, title_justify="left")
-        for header, a in zip(headers, align):
-            table.add_column(header, justify="right" if a == ">" else "left")
-        for row in rows:
-            table.add_row(*row)
-        Console().print(table)
-        return
-    if title:
-        print(title)
-    print(_table(headers, rows, align))
+# every command prints its tables through amanda.cli_table (rich on a terminal)
+_print_table = print_table
 
 
 def _progress(iterable, total, label):
     """Iterate with a progress bar on a terminal (rich, on stderr); plain
     iteration otherwise."""
-    if total <= 1 or not sys.stderr.isatty() or os.environ.get("AMANDA_PLAIN"):
+    if total <= 1 or not use_rich(sys.stderr):
         yield from iterable
         return
     from rich.console import Console
@@ -488,13 +529,13 @@ def run_trace(args):
 
 def add_trace_arguments(parser):
     _add_model_argument(parser)
-    parser.add_argument("--steps", type=int, default=3,
+    parser.add_argument("--steps", type=_count(1), default=3,
                         help="training steps to run; the first (analysis) is not measured "
                              "when there are more (default: 3)")
     parser.add_argument("--by", choices=("type", "name", "module"), default="type",
                         help="aggregate the table by canonical op type, op name or module "
                              "path (default: type)")
-    parser.add_argument("--top", type=int, default=15, help="rows to show (default: 15)")
+    parser.add_argument("--top", type=_count(1), default=15, help="rows to show (default: 15)")
     parser.add_argument("--kernels", action="store_true",
                         help="PyTorch: run the last step under torch.profiler and list the "
                              "aten ops (CUDA kernels on a GPU) each op ran")
@@ -568,7 +609,7 @@ def add_flops_arguments(parser):
     parser.add_argument("models", nargs="+", metavar="MODEL", help=_model_help())
     parser.add_argument("--forward-only", action="store_true",
                         help="count forward ops only (the step still runs backward)")
-    parser.add_argument("--top", type=int, default=12, help="op types to show (default: 12)")
+    parser.add_argument("--top", type=_count(1), default=12, help="op types to show (default: 12)")
     parser.add_argument("--chart", action="store_true",
                         help="also draw OUT/flops-MODEL.png (FLOPs by op type)")
     _add_out_argument(parser, "flops.json")
@@ -584,7 +625,7 @@ def run_prune(args):
     with amanda.apply(pruner):
         work.run()
         pruned = work.forward()
-    print(pruner.table())
+    _print_pruning(pruner, args.model)
     change = _relative_error(dense, pruned)
     print(f"\noutput change (relative L2): {change:.4f}")
     report = pruner.report()
@@ -595,12 +636,26 @@ def run_prune(args):
     return 0
 
 
+def _print_pruning(pruner, spec):
+    report = pruner.report()
+    mask = ("static mask" if pruner.update_every is None
+            else f"mask recomputed every {pruner.update_every} executions")
+    rows = [[r["module"] or r["op_id"], r["type"], r["shape"], f"{r['pruned']:,}",
+             f"{r['sparsity']:.1%}"] for r in report["layers"]]
+    total = report["total"]
+    print_table(["layer", "type", "shape", "pruned", "sparsity"], rows, "<<<>>",
+                title=f"{spec}: pattern {pruner.pattern_name}, {mask}",
+                footer=[["total", "", "", f"{total['pruned']:,}", f"{total['sparsity']:.1%}"]],
+                notes=[f"skipped {s['module'] or s['op_id']}: {s['reason']}"
+                       for s in report["skipped"]])
+
+
 def add_prune_arguments(parser):
     _add_model_argument(parser)
     parser.add_argument("--pattern", default="unstructured",
                         help="unstructured (magnitude), channel (L1 of output channels) or "
                              "N:M such as 2:4 (default: unstructured)")
-    parser.add_argument("--sparsity", type=float, default=0.5,
+    parser.add_argument("--sparsity", type=_fraction, default=0.5,
                         help="fraction of weights (channels) to prune; N:M ignores it "
                              "(default: 0.5)")
     _add_out_argument(parser, "pruning.json")
@@ -727,9 +782,9 @@ def run_quantize(args):
 
 def add_quantize_arguments(parser):
     _add_model_argument(parser)
-    parser.add_argument("--weight-bits", type=int, default=8, metavar="B",
+    parser.add_argument("--weight-bits", type=_bits, default=8, metavar="B",
                         help="weight bits, 0 = leave weights in float (default: 8)")
-    parser.add_argument("--activation-bits", type=int, default=8, metavar="B",
+    parser.add_argument("--activation-bits", type=_bits, default=8, metavar="B",
                         help="activation bits, 0 = leave activations in float (default: 8)")
     parser.add_argument("--per-tensor", action="store_true",
                         help="one weight scale per tensor (default: per output channel)")
@@ -739,10 +794,10 @@ def add_quantize_arguments(parser):
                         help="signed activation grid, zero point 0 (default: asymmetric)")
     parser.add_argument("--observer", choices=("minmax", "moving_average"), default="minmax",
                         help="how activation ranges are observed (default: minmax)")
-    parser.add_argument("--calibrate", type=int, default=4, metavar="N",
+    parser.add_argument("--calibrate", type=_count(1), default=4, metavar="N",
                         help="calibration batches: the model's inputs, then random variants "
                              "(default: 4)")
-    parser.add_argument("--qat", type=int, default=0, metavar="STEPS",
+    parser.add_argument("--qat", type=_count(0), default=0, metavar="STEPS",
                         help="PyTorch: quantization-aware fine-tuning steps towards the float "
                              "model's outputs before freezing (default: 0, post-training only)")
     parser.add_argument("--lr", type=float, default=3e-5,
@@ -813,14 +868,18 @@ def run_nan_check(args):
     detector = NanDetector()
     tools = []
     plant = None
+    if args.plant and args.plant_backward:
+        raise UsageError("--plant and --plant-backward: choose one")
     if args.plant or args.plant_backward:
-        name, _, index = (args.plant or args.plant_backward).partition(":")
-        plant = _PlantNaN(name, int(index or 0), backward=bool(args.plant_backward))
+        name, index = _plant_target(args.plant or args.plant_backward, args.plant_backward)
+        plant = _PlantNaN(name, index, backward=bool(args.plant_backward))
         tools.append(plant)
     stats = OpStatistics() if args.stats else None
     tools += [detector] + ([stats] if stats else [])
     with amanda.apply(*tools):
         work.run()
+    if plant is not None:
+        _check_planted(plant, args)
     report = detector.report
     result = {"model": args.model, "ops_checked": detector.executions,
               "planted": (args.plant or args.plant_backward), "found": report is not None,
@@ -842,12 +901,35 @@ def run_nan_check(args):
                          f"min={s['min']:.3g} max={s['max']:.3g} mean={s['mean']:.3g} "
                          f"nan={s['nan']} inf={s['inf']}" if s["min"] is not None else
                          f"nan={s['nan']} inf={s['inf']}"])
-        _print_table(["", ""], rows, "<<")
+        _print_table(["first NaN/Inf", ""], rows, "<<")
     written = [_write_json(args.out, "nan.json", _jsonable(result))]
     if stats:
         written.append(_write_json(args.out, "stats.json", _jsonable(stats.report())))
     print("\nwritten: " + ", ".join(written))
     return 1 if report is not None else 0
+
+
+def _plant_target(text, backward):
+    option = "--plant-backward" if backward else "--plant"
+    name, _, index = text.partition(":")
+    if not name or (index and not index.isdigit()):
+        raise UsageError(f"{option} {text}: expected OP or OP:N with N >= 0 "
+                         "(e.g. conv2d:2, the third conv2d)")
+    return name, int(index or 0)
+
+
+def _check_planted(plant, args):
+    """A NaN that was never planted would report "no NaN": a usage error."""
+    option = "--plant-backward" if plant.backward else "--plant"
+    target = args.plant_backward if plant.backward else args.plant
+    if plant.planted_at is None:
+        seen = (f"only {plant.seen} ops named {plant.op_name!r} (N from 0 to {plant.seen - 1})"
+                if plant.seen else f"no op named {plant.op_name!r}")
+        raise UsageError(f"{option} {target}: one step of {args.model} runs {seen}; "
+                         "nothing was planted")
+    if plant.backward and plant.planted_in is None:
+        raise UsageError(f"{option} {target}: that op has no backward op computing a "
+                         "gradient; nothing was planted")
 
 
 def add_nan_check_arguments(parser):
@@ -1023,7 +1105,7 @@ def add_graph_arguments(parser):
                              "networkx/matplotlib) (default: json,dot,png)")
     parser.add_argument("--forward-only", action="store_true",
                         help="leave backward ops out of the DOT and PNG drawings")
-    parser.add_argument("--top", type=int, default=10, help="op types to list (default: 10)")
+    parser.add_argument("--top", type=_count(1), default=10, help="op types to list (default: 10)")
     _add_out_argument(parser, "graph.json, graph.dot and graph.png")
 
 
@@ -1043,7 +1125,7 @@ def run_models(args):
     from amanda import models
     rows = [[name, description] for name, description in models.available().items()]
     rows += [list(entry) for entry in OTHER_SPECS]
-    print(_table(["model", "description"], rows, "<<"))
+    print_table(["model", "description"], rows, "<<")
     return 0
 
 
@@ -1160,6 +1242,17 @@ def _stderr(message):
     print(message, file=sys.stderr, flush=True)
 
 
+def _quiet_backends():
+    """Keep backend start-up chatter off the terminal (before any backend loads):
+    TensorFlow's C++ logs (absl, oneDNN, CPU features; 3 = fatal only, its
+    errors reach the CLI as Python exceptions), its Python logger, and
+    transformers' warnings. A user's own setting wins."""
+    import logging
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+
+
 def build_parser():
     """The argument parser with every registered subcommand."""
     examples = "\n".join(f"  {c.example}" for c in COMMANDS.values())
@@ -1191,7 +1284,7 @@ def main(argv=None):
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
     """
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _quiet_backends()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -1205,6 +1298,12 @@ def main(argv=None):
     except amanda.AmandaError as exc:
         print(f"amanda {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(args.command, exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

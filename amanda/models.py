@@ -268,10 +268,19 @@ def _load_python_factory(spec):
     path, _, func = spec.rpartition(":")
     if not os.path.isfile(path):
         raise ModelSpecError(f"model file not found: {path}")
+    import sys
+
     import torch
+    # imported as `python file.py` would run it: its folder first on sys.path,
+    # so it can import its sibling modules (kept there: the model may import
+    # more of them lazily), and registered in sys.modules (dataclasses, pickle)
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_name = "_amanda_user_model_" + os.path.splitext(os.path.basename(path))[0]
     loader = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module
     loader.loader.exec_module(module)
     factory = getattr(module, func, None)
     if not callable(factory):
@@ -364,10 +373,7 @@ def _load_keras(spec):
     if size and not size.isdigit():
         raise ModelSpecError(f"{spec}: the size after the name must be an int (keras:NAME:SIZE)")
     size = int(size) if size else (32 if name == "cnn" else KERAS_DEFAULT_SIZE)
-    try:
-        import tensorflow  # noqa: F401
-    except ImportError:
-        raise ModelSpecError(f"{spec}: Keras models need tensorflow") from None
+    import tensorflow  # noqa: F401  (a missing one is reported by the caller: an extra)
     if name == "cnn":
         build = lambda: _keras_cnn(size)
     else:
