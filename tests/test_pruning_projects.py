@@ -278,3 +278,10 @@ def test_vector_wise_keeps_two_of_four_on_the_bert_family(family):
 def test_docs_examples_run():
     from tests.markdown import run_examples
     run_examples("docs/tools/pruning-projects.md")
+
+
+def test_docs_show_the_current_loc_table():
+    import pathlib
+    from benchmarks.pruning_projects import loc_table
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs/tools/pruning-projects.md"
+    assert loc_table() in page.read_text()
