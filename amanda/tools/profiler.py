@@ -47,6 +47,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -57,7 +59,12 @@ from amanda.tools import mapping_rules
 from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["OpProfiler", "OpInfo", "RANGE_PREFIX"]
+__all__ = ["ACCUMULATE_GRAD", "OpProfiler", "OpInfo", "RANGE_PREFIX", "profile_steps",
+           "quiet_kineto"]
+
+#: The type under which PyTorch's ``AccumulateGrad`` nodes (a leaf's gradient
+#: added into its ``.grad``) are aggregated, apart from the forward op's type.
+ACCUMULATE_GRAD = "accumulate_grad"
 
 #: Prefix of the ``record_function`` ranges that enclose each op while
 #: :meth:`OpProfiler.record_kernels` is active.
@@ -176,6 +183,9 @@ class OpProfiler(amanda.Tool):
         self._ranges = {}        # OpInfo -> open record_function (kernel capture)
         self._record_function = None   # set while record_kernels() is active
         self._kernels = {}       # OpInfo index -> {"cpu"|"device": {kernel: [calls, us]}}
+        self.kernel_events = []  # (OpInfo, op start, start_ns, end_ns, name, depth)
+        self.steps = []          # (step number, start_ns, end_ns)
+        self._step_number = 0
         self._lock = threading.Lock()
         if forward:
             self.add_inst_for_op(self._forward_analysis)
@@ -210,7 +220,12 @@ class OpProfiler(amanda.Tool):
     def _backward_analysis(self, context):
         backward_op = context.get_backward_op()
         name = _backward_name(backward_op)
-        op_type = context.get("type") or mapping_rules.canonical_type(name, {})
+        if name == "AccumulateGrad":
+            # adds a gradient into a leaf's .grad: not a computation of the
+            # forward op that used the leaf, so it gets a row of its own
+            op_type = ACCUMULATE_GRAD
+        else:
+            op_type = context.get("type") or mapping_rules.canonical_type(name, {})
         info = self._new_info(BACKWARD, name, op_type, context, self._module(context),
                               _shapes(context.get_grad_outputs()), _producers(backward_op))
         context.insert_before_backward_op(self._start, grad_outputs=[], info=info)
@@ -362,11 +377,34 @@ class OpProfiler(amanda.Tool):
         return busy / 1e3
 
     def reset(self):
-        """Forget the events and kernels (the analysis stays cached)."""
+        """Forget the events, steps and kernels (the analysis stays cached;
+        step numbers keep counting)."""
         self.events.clear()
         self._open.clear()
         self._ends.clear()
         self._kernels.clear()
+        self.kernel_events.clear()
+        self.steps.clear()
+
+    @contextlib.contextmanager
+    def step(self):
+        """Mark the block as one training step: the Chrome trace shows it as
+        a slice ``step N`` on a ``steps`` track above the ops.
+
+        Steps are numbered from 0 in the order they start, across
+        :meth:`reset` (a warm-up step keeps number 0 although its events were
+        dropped).
+
+        Yields:
+            The step's number.
+        """
+        number = self._step_number
+        self._step_number += 1
+        start = self.clock()
+        try:
+            yield number
+        finally:
+            self.steps.append((number, start, self.clock()))
 
     def table(self, by="type", top=20, phase="all", depth=None):
         """A readable text table of the times.
@@ -410,60 +448,91 @@ class OpProfiler(amanda.Tool):
         return "\n".join(lines)
 
     # -- Chrome trace ----------------------------------------------------------------
-    def chrome_trace(self, modules=True):
+    def chrome_trace(self, modules=True, flows=True, origin_ns=None, pid=None,
+                     process_name=None):
         """The events as a Chrome trace (trace event format) dictionary.
 
         Forward ops are on thread 1 ("forward ops"), backward ops on thread 2
         ("backward ops"); events that overlap in time (TF's parallel
-        executor) go to extra lanes of their phase (tids 1xx / 2xx).
-        Timestamps are microseconds from the first event. Each op is a
-        complete event (``"ph": "X"``) with ``args`` ``op_id``,
-        ``backward_op_id``, ``type``, ``module`` and ``shapes``; with
-        ``modules=True`` each run of consecutive ops in a module is enclosed
-        by a span named by its module path, nesting as the modules do.
+        executor) go to extra lanes of their phase (tids 1xx / 2xx); the
+        blocks marked with :meth:`step` are slices ``step N`` on thread 0
+        ("steps"). Timestamps are microseconds from the first event. Each op
+        is a complete event (``"ph": "X"``) with ``args`` ``op_id``,
+        ``backward_op_id``, ``type``, ``module`` and ``shapes``; the CPU
+        events :meth:`record_kernels` saw inside an op (aten ops) are complete
+        events nested in it (``cat`` ``"kernel"``).
+
+        Args:
+            modules: enclose each run of consecutive ops in a module by a
+                span named by its module path, nesting as the modules do.
+            flows: link each forward op execution to the backward op
+                executions it owns with flow events (``"s"``/``"f"``, ``cat``
+                ``"fwdbwd"``, one id per pair, the finish binding to the
+                enclosing slice: ``"bp": "e"``), as ``torch.profiler`` does.
+            origin_ns: the clock reading that becomes time 0 (default: the
+                first event's start); :mod:`amanda.distributed` aligns ranks
+                with it.
+            pid: the process id of the events (default: this process's).
+            process_name: the process's name (default: ``amanda <namespaces>``).
 
         Returns:
-            ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``,
-            events sorted by thread, then start, then longest first, so parents
-            precede their children.
+            ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``:
+            metadata first, then the slices sorted by thread, then start, then
+            longest first, so parents precede their children, then the flows.
         """
-        origin = min((start for _, start, _ in self.events), default=0)
-        pid = os.getpid()
+        starts = [start for _, start, _ in self.events] + [start for _, start, _ in self.steps]
+        origin = min(starts, default=0) if origin_ns is None else origin_ns
+        pid = os.getpid() if pid is None else pid
         namespaces = sorted({info.namespace for info, _, _ in self.events})
-        events = [{"ph": "M", "pid": pid, "name": "process_name",
-                   "args": {"name": "amanda " + ", ".join(namespaces)}}]
+        meta = [_meta(pid, 0, "process_name",
+                      {"name": process_name or "amanda " + ", ".join(namespaces)})]
+        spans = []
+        if self.steps:
+            meta += _thread_meta(pid, 0, "steps")
+            spans += [_complete(f"step {number}", "step", start - origin, end - start, pid, 0,
+                                {"step": number}) for number, start, end in self.steps]
+        placed = []   # (start, end, info, tid) of every op execution
         for base, phase in ((1, FORWARD), (2, BACKWARD)):
             lanes = _lanes(sorted(((s, e, info) for info, s, e in self.events
                                    if info.phase == phase), key=lambda x: (x[0], x[1])))
             for lane, items in enumerate(lanes):
                 tid = base if lane == 0 else base * 100 + lane
-                label = f"{phase} ops" + (f" (lane {lane})" if lane else "")
-                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
-                               "args": {"name": label}})
-                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
-                               "args": {"sort_index": tid}})
+                meta += _thread_meta(pid, tid, f"{phase} ops" + (f" (lane {lane})" if lane else ""))
                 for start, end, info in items:
-                    events.append(_complete(info.name, phase, start - origin, end - start, pid,
-                                            tid, {"op_id": str(info.op_id),
-                                                  "backward_op_id": _str(info.backward_op_id),
-                                                  "type": info.type, "module": info.module,
-                                                  "shapes": info.shapes}))
+                    placed.append((start, end, info, tid))
+                    spans.append(_complete(info.name, phase, start - origin, end - start, pid,
+                                           tid, {"op_id": str(info.op_id),
+                                                 "backward_op_id": _str(info.backward_op_id),
+                                                 "type": info.type, "module": info.module,
+                                                 "shapes": info.shapes}))
                 if modules:
                     for path, start, end, namespace in _module_spans(items):
-                        events.append(_complete(_join(path, namespace), "module", start - origin,
-                                                end - start, pid, tid,
-                                                {"module": _join(path, namespace)}))
-        meta = [e for e in events if e["ph"] == "M"]
-        spans = sorted((e for e in events if e["ph"] == "X"),
-                       key=lambda e: (e["tid"], e["ts"], -e["dur"], e["cat"] != "module"))
-        return {"traceEvents": meta + spans, "displayTimeUnit": "ms",
+                        spans.append(_complete(_join(path, namespace), "module", start - origin,
+                                               end - start, pid, tid,
+                                               {"module": _join(path, namespace)}))
+        spans += self._kernel_spans(placed, origin, pid)
+        spans.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], _RANK[e["cat"]],
+                                  e["args"].get("depth", 0)))
+        arrows = _flow_events(placed, origin, pid) if flows else []
+        return {"traceEvents": meta + spans + arrows, "displayTimeUnit": "ms",
                 "otherData": {"tool": "amanda.tools.profiler.OpProfiler",
                               "namespaces": namespaces}}
 
-    def save_chrome_trace(self, path, modules=True):
-        """Write :meth:`chrome_trace` as JSON to ``path``; returns the path."""
+    def _kernel_spans(self, placed, origin, pid):
+        tids = {(info.index, start): tid for start, _, info, tid in placed}
+        spans = []
+        for info, op_start, start, end, name, depth in self.kernel_events:
+            tid = tids.get((info.index, op_start))
+            if tid is not None:
+                spans.append(_complete(name, "kernel", start - origin, end - start, pid, tid,
+                                       {"op": info.name, "depth": depth}))
+        return spans
+
+    def save_chrome_trace(self, path, modules=True, **options):
+        """Write :meth:`chrome_trace` (``options`` are its keyword arguments)
+        as JSON to ``path``; returns the path."""
         with open(path, "w") as f:
-            json.dump(self.chrome_trace(modules), f)
+            json.dump(self.chrome_trace(modules, **options), f)
         return path
 
     # -- kernels (PyTorch) -----------------------------------------------------------
@@ -491,18 +560,27 @@ class OpProfiler(amanda.Tool):
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        first = len(self.events)
+        with quiet_kineto():
+            prof.__enter__()
+        try:
             self._record_function = torch.autograd.profiler.record_function
-            try:
-                yield prof
-            finally:
-                self._record_function = None
-                for scope in self._ranges.values():   # ops that never finished
-                    scope.__exit__(None, None, None)
-                self._ranges.clear()
-        self._group_kernels(prof.events())
+            yield prof
+        finally:
+            self._record_function = None
+            for scope in self._ranges.values():   # ops that never finished
+                scope.__exit__(None, None, None)
+            self._ranges.clear()
+            with quiet_kineto():
+                prof.__exit__(None, None, None)
+        ranges = self._group_kernels(prof.events())
+        self._place_kernel_events(ranges, self.events[first:])
 
     def _group_kernels(self, events):
+        """Group the profiler's events by the op range enclosing them; returns
+        ``{op index: [range events]}``."""
+        ranges = defaultdict(list)
         for event in events:
             name = event.name
             if not name.startswith(RANGE_PREFIX):
@@ -511,13 +589,36 @@ class OpProfiler(amanda.Tool):
                 index = int(name[len(RANGE_PREFIX):])
             except ValueError:
                 continue
+            ranges[index].append(event)
             groups = self._kernels.setdefault(index, {"cpu": {}, "device": {}})
-            for descendant in _descendants(event):
+            for descendant, _ in _descendants(event):
                 # self time: what ran in this event and not in its children,
                 # so the times of an op's events add up to its CPU time
                 _add(groups["cpu"], descendant.name, descendant.self_cpu_time_total)
                 for kernel in getattr(descendant, "kernels", ()) or ():
                     _add(groups["device"], kernel.name, kernel.duration)
+        return ranges
+
+    def _place_kernel_events(self, ranges, window):
+        """Put the CPU events inside each op's range on amanda's clock, as
+        :attr:`kernel_events`. The n-th range of an op is the n-th execution
+        of that op in ``window``; the profiler's clock is shifted so the range
+        starts with the execution, and events are clipped to the execution
+        (the range encloses amanda's own two clock reads)."""
+        executions = defaultdict(list)
+        for info, start, end in window:
+            executions[info.index].append((start, end))
+        for index, events in ranges.items():
+            info = self.ops[index]
+            events = sorted(events, key=lambda e: e.time_range.start)
+            for event, (start, end) in zip(events, sorted(executions.get(index, ()))):
+                shift = start - int(event.time_range.start * 1e3)
+                for child, depth in _descendants(event):
+                    child_start = max(start, int(child.time_range.start * 1e3) + shift)
+                    child_end = min(end, int(child.time_range.end * 1e3) + shift)
+                    if child_start <= child_end:
+                        self.kernel_events.append((info, start, child_start, child_end,
+                                                   child.name, depth))
 
     def kernels(self):
         """Per op, what ran inside it during :meth:`record_kernels`.
@@ -634,6 +735,40 @@ class OpProfiler(amanda.Tool):
                 f"ms, backward {self.total_us('backward') / 1e3:.3f} ms)")
 
 
+def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
+    """Run training steps under ``profiler``, each marked with :meth:`OpProfiler.step`.
+
+    The first step runs the analysis; when there are more it is not
+    measured (:meth:`OpProfiler.reset` after it). With ``kernels`` the last
+    step runs under :meth:`OpProfiler.record_kernels`.
+
+    Args:
+        profiler: the :class:`OpProfiler`.
+        run: a function running one step (forward, loss, backward).
+        steps: steps to run, at least 1.
+        kernels: PyTorch only: record the last step's aten ops.
+        progress: ``progress(iterable, total)`` wrapping the measured steps
+            (a progress bar), or None.
+
+    Returns:
+        The number of steps measured.
+    """
+    steps = max(1, steps)
+    with amanda.apply(profiler):
+        with profiler.step():
+            run()
+        if steps == 1:
+            return 1
+        profiler.reset()
+        measured = range(steps - 1)
+        for number in (progress(measured, steps - 1) if progress else measured):
+            recording = profiler.record_kernels() if kernels and number == steps - 2 \
+                else contextlib.nullcontext()
+            with recording, profiler.step():
+                run()
+    return steps - 1
+
+
 # -- helpers -------------------------------------------------------------------------------
 
 def _str(value):
@@ -643,6 +778,43 @@ def _str(value):
 def _complete(name, category, ts_ns, dur_ns, pid, tid, args):
     return {"name": str(name), "cat": category, "ph": "X", "ts": ts_ns / 1e3,
             "dur": dur_ns / 1e3, "pid": pid, "tid": tid, "args": args}
+
+
+# order of slices that start together and last as long: the enclosing first
+_RANK = {"step": 0, "module": 1, FORWARD: 2, BACKWARD: 2, "kernel": 3}
+
+
+def _meta(pid, tid, name, args):
+    return {"ph": "M", "pid": pid, "tid": tid, "name": name, "args": args}
+
+
+def _thread_meta(pid, tid, name):
+    return [_meta(pid, tid, "thread_name", {"name": name}),
+            _meta(pid, tid, "thread_sort_index", {"sort_index": tid})]
+
+
+def _flow_events(placed, origin, pid):
+    """Flow events from each forward op execution to the backward op
+    executions it owns: a backward execution pairs with the latest forward
+    execution of its op that started before it. Both ends sit in the middle
+    of their slice, so each binds to it (or to a kernel nested in it) even
+    where a module span starts at the same time. Gradient accumulation is
+    not the forward op's work and gets no arrow."""
+    latest, events = {}, []
+    for start, end, info, tid in sorted(placed, key=lambda p: (p[0], p[1])):
+        middle = (start + end) / 2 - origin
+        if info.phase == FORWARD:
+            latest[info.op_id] = (middle, tid)
+            continue
+        source = latest.get(info.op_id)
+        if source is None or info.type == ACCUMULATE_GRAD:
+            continue
+        flow_id = len(events) // 2 + 1
+        events.append({"ph": "s", "id": flow_id, "pid": pid, "tid": source[1],
+                       "ts": source[0] / 1e3, "name": "fwdbwd", "cat": "fwdbwd"})
+        events.append({"ph": "f", "bp": "e", "id": flow_id, "pid": pid, "tid": tid,
+                       "ts": middle / 1e3, "name": "fwdbwd", "cat": "fwdbwd"})
+    return events
 
 
 def _parts(module, namespace):
@@ -708,11 +880,42 @@ def _add(table, name, us):
 
 
 def _descendants(event):
-    stack = list(event.cpu_children)
+    """Every profiler event below ``event``, with its depth (1: a child)."""
+    stack = [(child, 1) for child in event.cpu_children]
     while stack:
-        child = stack.pop()
-        yield child
-        stack.extend(child.cpu_children)
+        child, depth = stack.pop()
+        yield child, depth
+        stack.extend((grandchild, depth + 1) for grandchild in child.cpu_children)
+
+
+@contextlib.contextmanager
+def quiet_kineto():
+    """Keep kineto's status lines (``USDT: ... profiler_start``, ``STAGE: ...``),
+    which it writes straight to file descriptor 2 when ``torch.profiler``
+    starts and stops, off the user's terminal; anything else written to
+    stderr meanwhile is passed on when the block ends."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):   # no usable fd 2: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [line for line in sink.read().splitlines(keepends=True)
+                    if not line.startswith((b"USDT:", b"STAGE:"))]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def _render_docs_figure(path):
