@@ -42,8 +42,8 @@ from amanda.tools import mapping_rules
 from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["BACKWARD_TYPES", "CONV_TYPES", "FORMULAS", "MATMUL_TYPES", "ZERO_FLOP_TYPES",
-           "FlopsProfiler"]
+__all__ = ["BACKWARD_TYPES", "CONV_TYPES", "FORMULAS", "MATMUL_TYPES", "RNN_ELEMENTWISE",
+           "ZERO_FLOP_TYPES", "FlopsProfiler", "format_count"]
 
 #: Convolutions: 2 * output elements * (Cin / groups * kernel area).
 CONV_TYPES = frozenset({"conv1d", "conv2d", "conv3d", "depthwise_conv2d", "convolution",
@@ -191,6 +191,31 @@ def _sdpa(op_type, ins, out, op, backend):
     return 2 * rows * k[-2] * q[-1] + 2 * rows * k[-2] * v[-1]
 
 
+#: Recurrent ops: element-wise FLOPs per hidden unit and time step (see _rnn).
+RNN_ELEMENTWISE = {"rnn_tanh": 2, "rnn_relu": 2, "lstm": 13, "gru": 11}
+_RNN_STATES = {"lstm": 2}
+
+
+def _rnn(op_type, ins, out, op, backend):
+    """``torch.rnn_tanh/rnn_relu/lstm/gru`` (inputs: the sequence, the
+    hidden state(s), then per layer and direction ``w_ih``, ``w_hh`` and
+    optional biases). Every time step multiplies each weight matrix (rows,
+    cols) with one column per sequence element: ``2 * T*B * rows * cols``;
+    biases are not counted, as for ``linear``. The gate arithmetic adds
+    :data:`RNN_ELEMENTWISE` FLOPs per hidden unit and step: RNN 2 (sum,
+    activation); LSTM 13 (4 sums, 4 activations, ``f*c + i*g`` 3, ``o *
+    tanh(c)`` 2); GRU 11 (2 sums, 2 sigmoids, ``tanh(x_n + r * h_n)`` 3,
+    ``(1 - z) * n + z * h`` 4)."""
+    weights = [shape for shape in ins[1 + _RNN_STATES.get(op_type, 1):] if len(shape) == 2]
+    input_to_hidden, hidden_to_hidden = weights[0::2], weights[1::2]
+    if not hidden_to_hidden or len(input_to_hidden) != len(hidden_to_hidden):
+        raise IndexError("weights of an RNN not found")
+    steps = _numel(ins[0]) // input_to_hidden[0][1]      # time steps x batch
+    matmuls = sum(2 * steps * rows * cols for rows, cols in weights)
+    hidden = sum(cols for _, cols in hidden_to_hidden)    # H per layer and direction
+    return matmuls + RNN_ELEMENTWISE[op_type] * steps * hidden
+
+
 def _elementwise(op_type, ins, out, op, backend):
     # ONNX Sum/Max/Min of n inputs: n - 1 binary ops per output element; Mean one more
     extra = max(len(ins) - 2, 0) if backend == "onnx" else 0
@@ -207,6 +232,7 @@ FORMULAS = {}
 FORMULAS.update({t: _conv for t in CONV_TYPES})
 FORMULAS.update({t: _matmul for t in MATMUL_TYPES})
 FORMULAS["scaled_dot_product_attention"] = _sdpa
+FORMULAS.update({t: _rnn for t in RNN_ELEMENTWISE})
 FORMULAS.update({t: _elementwise for t in ELEMENTWISE_TYPES})
 FORMULAS.update({t: _per_input(1) for t in REDUCTION_TYPES})
 FORMULAS.update({t: _per_input(5) for t in NORM_TYPES})
@@ -288,6 +314,32 @@ def _onnx_module(node_name):
     return ".".join(path)
 
 
+def format_count(value):
+    """A count in auto-scaled units: ``512``, ``1.23K``, ``45.60M``, ``7.89G``."""
+    for factor, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f}{unit}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
+
+
+def _parameters(inputs, backend):
+    """``{key: element count}`` of the inputs that are trainable parameters:
+    ``torch.nn.Parameter`` objects; TF values read from a variable."""
+    found = {}
+    for value in inputs:
+        if backend == "pytorch":
+            if type(value).__name__ == "Parameter":
+                found[id(value)] = value.numel()
+        elif backend == "tensorflow":
+            producer = getattr(value, "op", None)
+            if getattr(producer, "type", None) in ("ReadVariableOp", "VariableV2"):
+                shape = _shape(value)
+                if shape is not None:
+                    found[producer.inputs[0].name if producer.inputs else producer.name] = \
+                        _numel(shape)
+    return found
+
+
 def _apply(formula, op_type, ins, out, op, backend):
     """The formula's FLOPs, or None when a shape it needs is unknown."""
     if out is None:
@@ -324,6 +376,8 @@ class FlopsProfiler(amanda.Tool):
         self._flops = {"forward": defaultdict(int), "backward": defaultdict(int)}
         self._by_module = {"forward": defaultdict(int), "backward": defaultdict(int)}
         self._dynamic = {}    # key -> (formula, type, module, op, input count)
+        self._modules = {}    # module -> {"params": {key: numel}, "shape", "last"}
+        self._analysed = 0    # forward ops analysed so far (orders the modules' outputs)
         self._pending = {}    # key -> input shapes stashed before the op ran
         self.add_inst_for_op(self.forward_analysis, require_outputs=True)
         if backward:
@@ -336,6 +390,7 @@ class FlopsProfiler(amanda.Tool):
         if op_type is None:
             op_type = normalise_type(context.get_op_name(), backend)
         module = self._module(context, backend)
+        self._note_module(context, backend, module)
         if op_type in ZERO_FLOP_TYPES:
             return
         formula = FORMULAS.get(op_type)
@@ -401,6 +456,19 @@ class FlopsProfiler(amanda.Tool):
         if backend == "onnx":
             return _onnx_module(getattr(context.get_op(), "name", "") or "")
         return context.get_module_path()
+
+    def _note_module(self, context, backend, module):
+        """Remember the module's parameters (the op's inputs that are
+        parameters) and the output shape of its latest op (analysis runs in
+        execution order, so at the end: its last op's)."""
+        if module is None:
+            return
+        entry = self._modules.setdefault(module, {"params": {}, "shape": None, "last": -1})
+        entry["params"].update(_parameters(context.get_inputs(), backend))
+        outputs = context.get_outputs()
+        self._analysed += 1
+        if outputs:
+            entry["shape"], entry["last"] = _shape(outputs[0]), self._analysed
 
     @staticmethod
     def _compute(formula, op_type, context, backend):
@@ -494,6 +562,64 @@ class FlopsProfiler(amanda.Tool):
         for p in self._phases(phase):
             merged.update(table[p])
         return dict(sorted(merged.items(), key=lambda item: -item[1]))
+
+    def modules(self, max_depth=None):
+        """FLOPs per module, with every module's children summed into it.
+
+        One row per module path seen (PyTorch module path; TF name scope;
+        ONNX: the exporter's node-name scopes) and per ancestor of one, the
+        root (``""``) first, in the order the modules first ran. Ops outside
+        any module are not in it (see :meth:`by_module`, key None).
+
+        Args:
+            max_depth: leave out rows deeper than this (the root is 0);
+                their numbers still add up in their ancestors.
+
+        Returns:
+            A list of dicts ``{"module", "depth", "parameters",
+            "output_shape", "forward", "backward"}``: ``parameters`` counts
+            the elements of the parameters the module's ops read (each
+            once), ``output_shape`` is the shape of the first output of the
+            module's last op.
+        """
+        rows, params = {}, {}
+        for module, entry in self._modules.items():
+            namespace_sep = "/" if "/" in module else "."
+            parts = module.split(namespace_sep) if module else []
+            for depth in range(len(parts) + 1):
+                path = namespace_sep.join(parts[:depth])
+                row = rows.setdefault(path, {"module": path, "depth": depth, "parameters": 0,
+                                             "output_shape": None, "forward": 0, "backward": 0,
+                                             "last": -1})
+                params.setdefault(path, {}).update(entry["params"])
+                if entry["last"] > row["last"]:
+                    row["output_shape"], row["last"] = entry["shape"], entry["last"]
+                for phase in ("forward", "backward"):
+                    row[phase] += self._by_module[phase].get(module, 0)
+        result = []
+        for path, row in rows.items():
+            row["parameters"] = sum(params[path].values())
+            del row["last"]
+            if max_depth is None or row["depth"] <= max_depth:
+                result.append(row)
+        return result
+
+    def module_table(self, max_depth=None):
+        """:meth:`modules` as text: the module tree indented, parameters and
+        FLOPs in K/M/G/T units."""
+        rows = self.modules(max_depth)
+        labels = [("  " * r["depth"]) + (r["module"] or "model") for r in rows]
+        cells = [[label, format_count(r["parameters"]),
+                  "-" if r["output_shape"] is None else str(tuple(r["output_shape"])),
+                  format_count(r["forward"]), format_count(r["backward"])]
+                 for label, r in zip(labels, rows)]
+        headers = ["module", "parameters", "output shape", "forward FLOPs", "backward FLOPs"]
+        widths = [max(len(line[i]) for line in [headers] + cells) for i in range(5)]
+        lines = ["  ".join(f"{c:{'<' if i < 1 else '>'}{w}}"
+                           for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+                 for line in [headers] + cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
 
     def reset(self):
         """Forget all counts (the analysis stays cached: ops keep counting)."""
