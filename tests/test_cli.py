@@ -309,8 +309,12 @@ def test_graph_exports(doc_runs):
     graph = Graph.from_json(run.json("graph.json"))
     types = [op.type for op in graph.ops]
     assert types.count("conv2d") == 4 and types.count("ConvolutionBackward0") == 4
-    assert (run.folder / "graph.dot").read_text().startswith("digraph")
-    assert (run.folder / "graph.png").read_bytes()[:4] == b"\x89PNG"
+    dot = (run.folder / "graph.dot").read_text()
+    assert dot.startswith("digraph") and "weight 32x3x3x3" in dot
+    drawing = run.folder / "graph.svg"
+    if not drawing.exists():                      # no Graphviz: the HTML page
+        drawing = run.folder / "graph.html"
+    assert "conv_layer1" in drawing.read_text()
 
 
 def test_keras_and_onnx_specs(tmp_path):
