@@ -486,26 +486,19 @@ def _jsonable(value):
 
 def run_trace(args):
     profiler_module = _require("amanda.tools.profiler", "trace", "the op profiler")
+    if args.nproc > 1:
+        return _run_trace_processes(args)
     work = _load(args.model, "trace")
     profiler = profiler_module.OpProfiler()
-    steps = max(1, args.steps)
     kernels = args.kernels and work.framework == "pytorch"
-    with amanda.apply(profiler):
-        work.run()                    # first step: analysis runs, not representative
-        if steps > 1:
-            profiler.reset()
-            for step in _progress(range(steps - 1), steps - 1, "profiling"):
-                if kernels and step == steps - 2:   # the last step, under torch.profiler
-                    with profiler.record_kernels():
-                        work.run()
-                else:
-                    work.run()
-    measured = steps - 1 if steps > 1 else 1
-    kernels = profiler.kernel_table(top=args.top) if kernels and steps > 1 else None
+    measured = profiler_module.profile_steps(
+        profiler, work.run, args.steps, kernels,
+        progress=lambda steps, total: _progress(steps, total, "profiling"))
+    kernels = profiler.kernel_table(top=args.top) if kernels and args.steps > 1 else None
     print(f"{args.model}: {len(profiler.ops)} ops timed, {measured} step(s) measured, "
           f"forward {profiler.total_us('forward') / 1e3:.1f} ms, "
           f"backward {profiler.total_us('backward') / 1e3:.1f} ms\n")
-    print(profiler.table(by=args.by, top=args.top))
+    _print_profile(profiler, args.by, args.top)
     if kernels:
         print("\nkernels per op (torch.profiler):\n" + kernels)
     os.makedirs(args.out, exist_ok=True)
@@ -527,6 +520,39 @@ def run_trace(args):
     return 0
 
 
+def _run_trace_processes(args):
+    """``--nproc N``: the model under DDP on N local processes, one merged trace."""
+    from amanda import distributed
+    _load(args.model, "trace --nproc", ("pytorch",))
+    result = distributed.profile_model(args.model, "trace", args.nproc, args.steps, args.kernels)
+    rows = [[rank, s["steps_measured"], f"{s['forward_us'] / 1e3:.3f}",
+             f"{s['backward_us'] / 1e3:.3f}"] for rank, s in enumerate(result["per_rank"])]
+    _print_table(["rank", "steps", "forward ms", "backward ms"], rows, ">>>>",
+                 title=f"{args.model} on {args.nproc} processes (DDP, gloo)")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "trace.json")
+    with open(path, "w") as f:
+        json.dump(result["trace"], f)
+    print(f"\nChrome trace, one process per rank (open in https://ui.perfetto.dev): {path}")
+    return 0
+
+
+def _print_profile(profiler, by, top):
+    """The profiler's times by ``by`` as a table; AccumulateGrad nodes have
+    their own row (``accumulate_grad``)."""
+    rows = {"type": profiler.by_type, "name": profiler.by_name,
+            "module": lambda: profiler.by_module(depth=3)}[by]()
+    total = profiler.total_us() or 1.0
+    shown = [[("(root)" if key == "" else key), row["calls"], f"{row['forward_us'] / 1e3:.3f}",
+              f"{row['backward_us'] / 1e3:.3f}", f"{row['total_us'] / 1e3:.3f}",
+              f"{100 * row['total_us'] / total:.1f}%"] for key, row in rows.items()]
+    notes = [f"... {len(shown) - top} more rows"] if len(shown) > top else []
+    footer = [["total", len(profiler.events), f"{profiler.total_us('forward') / 1e3:.3f}",
+               f"{profiler.total_us('backward') / 1e3:.3f}", f"{total / 1e3:.3f}", "100.0%"]]
+    _print_table([by, "calls", "forward ms", "backward ms", "total ms", "%"], shown[:top],
+                 "<>>>>>", footer=footer, notes=notes)
+
+
 def add_trace_arguments(parser):
     _add_model_argument(parser)
     parser.add_argument("--steps", type=_count(1), default=3,
@@ -540,6 +566,9 @@ def add_trace_arguments(parser):
                         help="PyTorch: run the last step under torch.profiler and list the "
                              "aten ops (CUDA kernels on a GPU) each op ran")
     parser.add_argument("--timeline", action="store_true", help="also draw OUT/timeline.png")
+    parser.add_argument("--nproc", type=_count(1), default=1,
+                        help="PyTorch: run the model under DDP on N local processes (gloo, "
+                             "127.0.0.1) and merge their traces, one process per rank")
     _add_out_argument(parser, "trace.json (Chrome trace) and profile.json")
 
 
@@ -573,28 +602,20 @@ def run_flops(args):
     results = []
     for spec in _progress(args.models, len(args.models), "counting FLOPs"):
         work = workloads(spec)
+        if args.nproc > 1:
+            results.append(_run_flops_processes(spec, work, args.nproc))
+            continue
         profiler = FlopsProfiler(backward=not args.forward_only)
         with amanda.apply(profiler):
             work.run()
         forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
-        rows = [[t, f"{forward.get(t, 0):,}", f"{backward.get(t, 0):,}"]
-                for t in list(profiler.by_type())[:args.top]]
-        rows.append(["total", f"{profiler.total('forward'):,}", f"{profiler.total('backward'):,}"])
-        _print_table(["type", "forward FLOPs", "backward FLOPs"], rows, "<>>",
-                     title=f"{spec} ({work.framework})")
-        if profiler.unknown:
-            print("unknown op types (not counted): "
-                  + ", ".join(f"{t} x{n}" for t, n in sorted(profiler.unknown.items())))
-        modules = list(profiler.by_module("forward").items())[:5]
-        if modules:
-            print("largest modules (forward): "
-                  + ", ".join(f"{m or '-'} {f / 1e6:,.1f}M" for m, f in modules))
-        print()
+        _print_flops(profiler, spec, work.framework, args.top, args.depth)
         result = {"model": spec, "framework": work.framework,
                   "forward": profiler.total("forward"), "backward": profiler.total("backward"),
                   "by_type": {t: {"forward": forward.get(t, 0), "backward": backward.get(t, 0)}
                               for t in profiler.by_type()},
-                  "by_module": profiler.by_module(), "unknown": dict(profiler.unknown)}
+                  "by_module": profiler.by_module(), "modules": profiler.modules(),
+                  "unknown": dict(profiler.unknown)}
         if args.chart:
             os.makedirs(args.out, exist_ok=True)
             result["chart"] = _flops_chart(profiler, spec, os.path.join(
@@ -605,11 +626,66 @@ def run_flops(args):
     return 0
 
 
+def _run_flops_processes(spec, work, nproc):
+    """``--nproc N``: FLOPs of each rank under DDP, summed and checked equal."""
+    from amanda import distributed
+    from amanda.tools.flops import format_count
+    if work.framework != "pytorch":
+        raise UsageError(f"`amanda flops --nproc` runs PyTorch models; {spec} is a "
+                         f"{work.framework} model")
+    report = distributed.profile_model(spec, "flops", nproc)
+    forward, backward = report["total"]["forward"], report["total"]["backward"]
+    rows = [[t, format_count(forward.get(t, 0)), format_count(backward.get(t, 0))]
+            for t in sorted(set(forward) | set(backward),
+                            key=lambda t: -(forward.get(t, 0) + backward.get(t, 0)))]
+    check = ("every rank counted the same" if report["consistent"]
+             else "RANKS DISAGREE: " + "; ".join(report["mismatches"]))
+    _print_table(["type", "forward FLOPs", "backward FLOPs"], rows, "<>>",
+                 title=f"{spec}: FLOPs summed over {nproc} processes (DDP, gloo)",
+                 footer=[["total", format_count(sum(forward.values())),
+                          format_count(sum(backward.values()))]], notes=[check])
+    print()
+    return dict(report, model=spec, framework="pytorch")
+
+
+def _print_flops(profiler, spec, framework, top, depth):
+    """Two tables: FLOPs per module (tree, parameters, output shape) and per
+    op type, in K/M/G units (exact counts are in flops.json)."""
+    from amanda.tools.flops import format_count
+    modules = profiler.modules(max_depth=depth)
+    if modules:
+        rows = [[("  " * m["depth"]) + (m["module"] or "model"), format_count(m["parameters"]),
+                 "-" if m["output_shape"] is None else "x".join(map(str, m["output_shape"])),
+                 format_count(m["forward"]), format_count(m["backward"])] for m in modules]
+        _print_table(["module", "parameters", "output shape", "forward FLOPs", "backward FLOPs"],
+                     rows, "<>>>>", title=f"{spec} ({framework}): FLOPs per module")
+        print()
+    forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
+    types = list(profiler.by_type())
+    rows = [[t, format_count(forward.get(t, 0)), format_count(backward.get(t, 0))]
+            for t in types[:top]]
+    notes = [f"... {len(types) - top} more types"] if len(types) > top else []
+    if profiler.unknown:
+        notes.append("unknown op types (not counted): "
+                     + ", ".join(f"{t} x{n}" for t, n in sorted(profiler.unknown.items())))
+    _print_table(["type", "forward FLOPs", "backward FLOPs"], rows, "<>>",
+                 title=f"{spec} ({framework}): FLOPs per op type",
+                 footer=[["total", format_count(profiler.total("forward")),
+                          format_count(profiler.total("backward"))]], notes=notes)
+    print(f"exact: forward {profiler.total('forward'):,}, backward "
+          f"{profiler.total('backward'):,} FLOPs\n")
+
+
 def add_flops_arguments(parser):
     parser.add_argument("models", nargs="+", metavar="MODEL", help=_model_help())
     parser.add_argument("--forward-only", action="store_true",
                         help="count forward ops only (the step still runs backward)")
     parser.add_argument("--top", type=_count(1), default=12, help="op types to show (default: 12)")
+    parser.add_argument("--depth", type=_count(0), default=2,
+                        help="module nesting levels in the per-module table (default: 2)")
+    parser.add_argument("--nproc", type=_count(1), default=1,
+                        help="PyTorch: run each model under DDP on N local processes (gloo, "
+                             "127.0.0.1); FLOPs summed over ranks and checked equal")
     parser.add_argument("--chart", action="store_true",
                         help="also draw OUT/flops-MODEL.png (FLOPs by op type)")
     _add_out_argument(parser, "flops.json")
