@@ -223,9 +223,11 @@ def test_trace_writes_a_chrome_trace(doc_runs):
     run = doc_runs["trace cnn --kernels"]
     with open(run.folder / "trace.json") as f:
         events = json.load(f)["traceEvents"]
-    names = [e.get("name") for e in events if e.get("ph") == "X"]
+    names = [e.get("name") for e in events if e.get("ph") == "X" and e.get("cat") != "kernel"]
     assert names.count("conv2d") == 2 * 4                   # 2 measured steps, 4 convs ...
     assert names.count("ConvolutionBackward0") == 2 * 4     # ... and their backward ops
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert any(e["name"] == "ConvolutionBackward0" for e in kernels)   # --kernels nested
     profile = run.json("profile.json")
     assert profile["steps_measured"] == 2
     assert profile["forward_by_type"]["conv2d"]["calls"] == 2 * 4
