@@ -413,6 +413,7 @@ def check_disabled_rule(program, points, names, per_step):
     # cannot give them, and SGD skips parameters without one.
     program = dataclasses.replace(program, step=dataclasses.replace(program.step,
                                                                     optimizer=False))
+    assume(not enabled_block_branches_on_data(program))
     valid(program)
     valid(program, disabled=False)
     got = record(program, points, names, per_step=per_step)
@@ -422,8 +423,30 @@ def check_disabled_rule(program, points, names, per_step):
     for i, (x, y) in enumerate(zip(a, b)):
         assert_same_sequence(forward_only(x), forward_only(y),
                              "forward, with disabled() blocks (got) vs without them (want)", i)
-        assert_same_multiset(backward_only(x), backward_only(y),
+        got_b, want_b = backward_only(x), backward_only(y)
+        if disabled_block_calls_a_module(program):
+            # A parameter's gradient accumulator is one autograd node, shared
+            # by every graph that uses the parameter: where an instrumented op
+            # owns it, it has points whenever it runs, also for the gradient
+            # of a disabled block's call of the same module (docs, known
+            # limits). The variant without the block lacks those runs.
+            extra = collections.Counter(got_b) - collections.Counter(want_b)
+            assert all(e[3] == "AccumulateGrad" for e in extra), extra
+            got_b = list((collections.Counter(got_b) - extra).elements())
+        assert_same_multiset(got_b, want_b,
                              "backward, with disabled() blocks (got) vs without them (want)", i)
+
+
+def disabled_block_calls_a_module(program):
+    def calls(body, inside):
+        for s in body:
+            if inside and s.attr is not None:
+                return True
+            if calls(s.body, inside or s.kind == "disabled") or calls(s.orelse, inside):
+                return True
+    top = program.step.pre + program.step.post + \
+        ([program.step.top_disabled] if program.step.top_disabled else [])
+    return any(calls(m.body, False) for m in program.modules) or bool(calls(top, False))
 
 
 @hyp(EXAMPLES["disabled"], programs(force={"disabled"}), points_st, names_st, st.booleans())
@@ -547,42 +570,66 @@ def test_op_ids_and_points(program, per_step):
 
 # -- (f) checkpointing ---------------------------------------------------------------------------
 
-def checkpoint_inside_reentrant_segment(program):
-    """Whether a checkpoint runs inside a segment of a reentrant checkpoint
-    (known limit, docs/pytorch-eager.md: there the backward op ids of the
-    inner segment's neighbours may differ from a run without checkpointing)."""
+def _statements(body):
+    for s in body:
+        yield s
+        yield from _statements(s.body)
+        yield from _statements(s.orelse)
+        yield from _statements(s.enabled or [])
+
+
+def _reaches(program, module, kinds, seen=()):
+    """Whether ``module``'s forward, or a module it calls, has a statement of
+    one of ``kinds``."""
     by_name = {m.name: m for m in program.modules}
-
-    def stmts(body):
-        for s in body:
-            yield s
-            yield from stmts(s.body)
-            yield from stmts(s.orelse)
-            yield from stmts(s.enabled or [])
-
-    def has_checkpoint(module, seen=()):
-        if module is None or module.name in seen:
-            return False
-        children = dict(module.children)
-        for s in stmts(module.body):
-            if s.kind == "ckpt":
-                return True
-            if s.attr in children and has_checkpoint(by_name.get(children[s.attr][:-2]),
-                                                     seen + (module.name,)):
-                return True
+    if module is None or module.name in seen:
         return False
+    children = dict(module.children)
+    for s in _statements(module.body):
+        if s.kind in kinds:
+            return True
+        if s.attr in children and _reaches(program, by_name.get(children[s.attr][:-2]),
+                                           kinds, seen + (module.name,)):
+            return True
+    return False
 
+
+def enabled_block_branches_on_data(program):
+    """Whether an ``enabled()`` block inside a disabled block calls a module
+    that branches on its input's values: the variant without the disabled
+    statements feeds it other values, so it may take the other branch."""
+    by_name = {m.name: m for m in program.modules}
+    for m in program.modules:
+        children = dict(m.children)
+        for s in _statements(m.body):
+            for e in _statements(s.enabled or []):
+                if e.kind == "branch_data" or (e.attr in children and _reaches(
+                        program, by_name.get(children[e.attr][:-2]), {"branch_data"})):
+                    return True
+    return False
+
+
+def inside_reentrant_segment(program, kinds):
+    """Whether a statement of one of ``kinds`` runs inside a segment of a
+    reentrant checkpoint. Two shapes are left out of the comparison with a
+    run without checkpointing, as torch itself runs other backward nodes
+    there (docs/pytorch-eager.md, known limits): a checkpoint nested in a
+    reentrant segment, and a ``torch.no_grad()`` block inside one (the
+    segment's graph is cut, yet its autograd node still connects its output
+    to its input, so torch runs the nodes before the segment, with no
+    gradient)."""
+    by_name = {m.name: m for m in program.modules}
     for module in program.modules:
         children = dict(module.children)
-        for s in stmts(module.body):
+        for s in _statements(module.body):
             if s.kind == "ckpt" and s.reentrant and s.attr in children \
-                    and has_checkpoint(by_name.get(children[s.attr][:-2])):
+                    and _reaches(program, by_name.get(children[s.attr][:-2]), kinds):
                 return True
     return False
 
 
 def check_checkpoint(program):
-    assume(not checkpoint_inside_reentrant_segment(program))
+    assume(not inside_reentrant_segment(program, {"ckpt", "no_grad"}))
     with_ckpt = valid(program)
     without = valid(program, checkpoint=False)
     # A reentrant checkpoint whose inputs need no grad makes its output need

@@ -6,6 +6,7 @@ failed before the fix. Checks are by difference where possible: cached vs
 """
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -179,6 +180,92 @@ def test_checkpointing_gives_the_gradients_of_vanilla():
     with amanda.apply(IdentityTool()):
         model(x).sum().backward()
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    assert backend_state() == CLEAN
+
+
+class Nested(nn.Module):
+    """An outer checkpoint whose function checkpoints an inner module: the
+    inner segment's inputs are recomputed by the outer one, in new storage
+    (``keep`` holds the first ones, so that storage is never reused)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+        self.outer = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.keep = []
+
+    def block(self, x):
+        h = torch.tanh(self.outer(x))
+        self.keep.append(h)
+        return checkpoint(self.inner, h, use_reentrant=False)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_a_checkpoint_nested_in_another_is_recomputed_instrumented():
+    model, x = Nested(), torch.rand(2, 8)
+    runs = []
+    for cached in (True, False):
+        tool = Counter()
+        with amanda.apply(tool), (amanda.cache_disabled() if not cached
+                                  else contextlib.nullcontext()):
+            for _ in range(3):
+                model(x).sum().backward()
+        runs.append(tool)
+    cached, uncached = runs
+    assert cached.executions == uncached.executions
+    recomputed = {c.get_op_id() for c in uncached.contexts if c.is_recomputation()}
+    inner = {op for op, name in uncached.names.items() if name in ("layer_norm", "linear")}
+    # the inner segment's ops ran in its recomputation too, with their forward ids
+    assert {op for op in recomputed if uncached.names[op] == "layer_norm"}
+    assert recomputed <= set(uncached.names)
+    layer_norm = [op for op in inner if uncached.names[op] == "layer_norm"]
+    assert [cached.executions[(op, "before")] for op in layer_norm] == [6]
+    assert backend_state() == CLEAN
+
+
+def test_a_segment_checkpointed_inside_disabled_stays_muted():
+    """One module checkpointed twice in a step, once inside ``disabled()``:
+    the muted segment's recomputation is not instrumented, the other is."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x = torch.rand(2, 8)
+
+    def step():
+        a = checkpoint(layer, x, use_reentrant=False)
+        with amanda.disabled():
+            b = checkpoint(layer, torch.tanh(x), use_reentrant=False)
+        (a + b).sum().backward()
+
+    tool = Counter()
+    with amanda.apply(tool):
+        step()
+    linear = [op for op, name in tool.names.items() if name == "linear"]
+    assert len(linear) == 1
+    assert tool.executions[(linear[0], "before")] == 2   # forward + one recomputation
+    assert backend_state() == CLEAN
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_segments_on_one_input_are_told_apart_by_their_checkpoint(reentrant):
+    """The same module checkpointed on the same input tensor twice in a step,
+    the second time in a validation call under ``disabled()``: backward
+    recomputes the first segment, instrumented, and never the muted one."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x = torch.rand(2, 8, requires_grad=True)
+    tool = Counter()
+    with amanda.apply(tool):
+        out = checkpoint(layer, x, use_reentrant=reentrant)
+        with amanda.disabled():
+            checkpoint(layer, x, use_reentrant=reentrant)
+        out.sum().backward()
+    linear = [op for op, name in tool.names.items() if name == "linear"]
+    assert len(linear) == 1
+    assert tool.executions[(linear[0], "before")] == 2   # forward + its recomputation
     assert backend_state() == CLEAN
 
 

@@ -316,6 +316,17 @@ class _Cache:
 
 # -- per-thread state ----------------------------------------------------------
 
+class _Segment:
+    """A checkpointed call in the forward pass: what its recomputation replays."""
+
+    __slots__ = ("token", "key", "stack", "counts", "cache", "used")
+
+    def __init__(self, token, key, stack, counts, cache):
+        self.token = None if token is None else weakref.ref(token)
+        self.key, self.stack, self.counts, self.cache = key, stack, counts, cache
+        self.used = None    # the backward pass that recomputed it
+
+
 class _ThreadState:
     """Per-thread driver state: the modules being called and the occurrence
     counts of the current step.
@@ -332,7 +343,7 @@ class _ThreadState:
         self.mode = None
         self.modules = []       # weak references to the modules being called
         self.counts = {}        # site key -> occurrences in this step (ops in modules)
-        self.segments = {}      # id(module) -> [(inputs, stack, counts)] of checkpointed calls
+        self.segments = {}      # id(module) -> [_Segment] of its checkpointed calls
         self.parents = {}       # id(module) -> stack above its last call this step
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
@@ -345,14 +356,15 @@ class _ThreadState:
         self.segments.clear()
         self.parents.clear()
 
-    def checkpointed(self, module, args, how):
-        """The forward pass calls ``module`` as a checkpointed segment: keep
-        where it stands (module stack, occurrence counts), for its
-        recomputation in backward."""
-        self.segments.setdefault(id(module), []).append(
-            (_segment_key(args), self.modules[:], dict(self.counts), self.cache, how))
+    def checkpointed(self, module, args, token, cache):
+        """The forward pass calls ``module`` in a checkpointed segment (torch's
+        checkpoint object ``token``): keep where it stands (module stack,
+        occurrence counts) and the tools that run it (``cache``; None inside
+        ``disabled()``), for its recomputation in backward."""
+        self.segments.setdefault(id(module), []).append(_Segment(
+            token, _segment_key(args), self.modules[:], dict(self.counts), cache))
 
-    def recompute(self, module, args, by_checkpoint):
+    def recompute(self, module, args, by_checkpoint, token=None):
         """A module called during a backward pass by torch's checkpointing
         (directly, or through the checkpointed function), or with no module
         around it: a forward segment is recomputed. Its ops take the module
@@ -365,9 +377,9 @@ class _ThreadState:
         function's backward, e.g. Reformer) take the stack of the module's
         last forward call."""
         self.end_segment()
-        entry = self.segment(module, args)
+        entry = self.segment(module, args, token)
         if entry is not None:
-            base, counts, cache = entry[1:4]
+            base, counts, cache = entry.stack, entry.counts, entry.cache
         elif by_checkpoint:
             base, counts, cache = (), {}, None
         else:
@@ -388,22 +400,42 @@ class _ThreadState:
             self.saved = self.counts
         self.counts = dict(counts)
 
-    def segment(self, module, args):
-        """The checkpointed call of ``module`` on ``args`` in this step, if any.
+    def segment(self, module, args, token=None):
+        """The call of ``module`` in a checkpointed segment of this step that
+        a recomputation of ``module`` on ``args`` replays, if any.
 
-        A module that checkpoint calls itself gets the segment's saved
-        inputs back (or detached views of them): it is found by their
-        storage. A module called by a checkpointed function (a layer's
-        ``forward``) gets recomputed inputs in new storage: it is found by
-        being the only such call of that module in the step, or else by
-        storage, newest first, then the newest."""
-        entries = self.segments.get(id(module), ())
+        The segment is the one of torch's checkpoint object ``token`` (the
+        non-reentrant checkpoint's frame, the reentrant one's autograd
+        context), the same object at forward and at recomputation, and the
+        call is the first of ``module`` in it not yet replayed in this
+        backward pass. A segment whose forward amanda did not see has no
+        record: None. Only where torch's object could not be found (a torch
+        whose checkpoint code amanda does not know) is the call matched by
+        the storage of its first input (identity, not address: see
+        _segment_key), or else as the newest call of the module not yet
+        recomputed (backward recomputes segments in reverse order)."""
+        entries = self.segments.get(id(module))
+        if not entries:
+            return None
+        task = _in_backward()
+        if token is not None:
+            mine = [e for e in entries if e.token is not None and e.token() is token]
+            if not mine:
+                entries = [e for e in entries if e.token is None]
+                if not entries:
+                    return None
+            else:
+                found = next((e for e in mine if e.used != task), None)
+                if found is None:                # replayed again in this pass
+                    found = mine[0]
+                found.used = task
+                return found
         key = _segment_key(args)
-        # newest first: backward recomputes segments in reverse order, and a
-        # stale entry's input storage may have been freed and reused since
-        found = next((e for e in reversed(entries) if e[0] == key), None)
-        if found is None and entries and entries[-1][4] == _THROUGH_FUNCTION:
-            found = entries[-1]
+        fresh = [e for e in reversed(entries) if e.used != task]
+        found = next((e for e in fresh if _same_input(e.key, key)), None) \
+            or next((e for e in reversed(entries) if _same_input(e.key, key)), None) \
+            or (fresh[0] if fresh else entries[-1])
+        found.used = task
         return found
 
     def end_segment(self):
@@ -452,18 +484,24 @@ def _module_pre_hook(module, args):
     Module calls inside ``amanda.disabled()`` are not tracked: the code after
     the block sees the same modules, steps and counts as if it had not run."""
     st = getattr(_tls, "state", None)
-    if st is None or not st.depth or _CONTROLS.disabled:
+    if st is None or not st.depth:
+        return
+    if _CONTROLS.disabled:
+        if _in_backward() == -1 and _grad_enabled():
+            role, token = _checkpoint_role(_getframe(1))
+            if role is _FORWARD:
+                st.checkpointed(module, args, token, None)   # its recomputation stays muted
         return
     if _COMPILE["prior"] is None and type(module).__name__ == "OptimizedModule":
         with DRIVER._lock:
             _compile_eagerly()     # compiled after apply was entered
     modules = st.modules
-    by_checkpoint = _called_by_machinery(_getframe(1))
+    role, token = _checkpoint_role(_getframe(1))
     if _in_backward() != -1:
-        if by_checkpoint and len(modules) > st.base and st.segment(module, args) is None:
-            st.checkpointed(module, args, by_checkpoint)  # a first run inside a recomputation
-        elif by_checkpoint or not modules:
-            st.recompute(module, args, by_checkpoint)
+        if role is _FORWARD:
+            st.checkpointed(module, args, token, st.cache)  # a first run in a recomputation
+        elif role is _RECOMPUTE or not modules:
+            st.recompute(module, args, role is _RECOMPUTE, token)
     else:
         if st.recomputing:
             st.end_recompute()
@@ -471,46 +509,95 @@ def _module_pre_hook(module, args):
             st.new_step()                  # a root module call starts a step
         else:
             st.parents[id(module)] = modules[:]
-        if by_checkpoint:
-            st.checkpointed(module, args, by_checkpoint)
+        if role is not None:
+            st.checkpointed(module, args, token, st.cache)
     modules.append(weakref.ref(module))
 
 
-def _called_by_machinery(frame):
-    """Whether the module call running this hook was made, directly or
-    through the user's wrapper function, by torch's checkpointing machinery
-    (a checkpointed segment's forward): looking up the stack from the call,
-    a checkpoint frame comes before the call of any enclosing module.
-
-    Returns:
-        ``_DIRECTLY``, ``_THROUGH_FUNCTION``, or None when checkpoint did not
-        make the call."""
+def _checkpoint_role(frame):
+    """What torch's checkpointing machinery is doing when it makes the
+    module call running this hook, directly or through the user's function,
+    and in which checkpoint: ``(_FORWARD, token)`` (a checkpointed segment's
+    forward), ``(_RECOMPUTE, token)`` (its recomputation), or ``(None,
+    None)`` when checkpoint did not make the call. Looking up the stack from
+    the call, a checkpoint frame comes before the call of any enclosing
+    module; its function says which it is (helpers such as
+    ``checkpoint_sequential``'s are looked through), and its locals hold
+    torch's object for that checkpoint (``token``: None if not found)."""
     while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
         frame = frame.f_back           # this call's own Module.__call__ frames
-    how = _DIRECTLY
+    machinery = False
     while frame is not None:
-        kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
+        code = frame.f_code
+        kind = _CODE_KIND.get(id(code)) or _code_kind(code)
         if kind is _MACHINERY:
-            return how
-        if kind is _BOUNDARY:
-            return None
-        how = _THROUGH_FUNCTION
+            role = _ROLES.get(code.co_qualname)
+            if role is not None:
+                return role, _checkpoint_token(frame)
+            machinery = True
+        elif kind is _BOUNDARY:
+            break
         frame = frame.f_back
+    if not machinery:
+        return _NO_ROLE
+    return (_RECOMPUTE if _in_backward() != -1 else _FORWARD), None
+
+
+def _checkpoint_token(frame):
+    """torch's object for one checkpoint call, the same in its forward and
+    its recomputation: the reentrant checkpoint's autograd context (``ctx``
+    of ``CheckpointFunction.forward`` and ``.backward``); the non-reentrant
+    checkpoint's ``_CheckpointFrame`` (``new_frame`` in the generator that
+    ``checkpoint`` runs; ``frame`` in the saved-tensor unpack hook that calls
+    ``recompute_fn``). Only read when a checkpoint calls a module."""
+    try:
+        name = frame.f_code.co_qualname
+        if name.startswith("CheckpointFunction."):
+            return frame.f_locals.get("ctx")
+        if name == "checkpoint":
+            gen = frame.f_locals.get("gen")
+            inner = getattr(gen, "gi_frame", None)
+            return None if inner is None else inner.f_locals.get("new_frame")
+        for _ in range(4):              # recompute_fn <- ... <- unpack_hook
+            frame = frame.f_back
+            if frame is None:
+                return None
+            if frame.f_code.co_qualname.endswith("<locals>.unpack_hook"):
+                return frame.f_locals.get("frame")
+    except (AttributeError, TypeError):
+        pass
     return None
 
 
-_DIRECTLY, _THROUGH_FUNCTION = "directly", "through a function"
+_FORWARD, _RECOMPUTE = "forward", "recompute"
+_NO_ROLE = (None, None)
+# The functions of torch/utils/checkpoint.py that call the checkpointed
+# function: non-reentrant checkpoint runs it in ``checkpoint`` and recomputes
+# it in ``recompute_fn``; reentrant checkpoint in its autograd function.
+_ROLES = {"checkpoint": _FORWARD, "CheckpointFunction.forward": _FORWARD,
+          "_checkpoint_without_reentrant_generator.<locals>.recompute_fn": _RECOMPUTE,
+          "CheckpointFunction.backward": _RECOMPUTE}
 
 
 def _segment_key(args):
     """What tells two checkpointed calls of one module apart: the storage of
     their first tensor input (reentrant checkpointing recomputes on detached
-    copies, which share it)."""
+    copies, which share it), by identity, not address: torch keeps one
+    Python object per live storage, and a weak reference to it dies with the
+    storage, so a freed storage's address reused by another never matches."""
     for value in args:
         if isinstance(value, _Tensor):
-            return (value.untyped_storage().data_ptr(), value.storage_offset(),
-                    tuple(value.shape))
+            try:
+                storage = value.untyped_storage()
+                return (weakref.ref(storage), value.storage_offset(), tuple(value.shape))
+            except (RuntimeError, TypeError, NotImplementedError):
+                return None     # a tensor without storage (sparse, nested...)
     return None
+
+
+def _same_input(key, other):
+    return key is not None and other is not None and key[1:] == other[1:] \
+        and key[0]() is not None and key[0]() is other[0]()
 
 
 def _module_post_hook(module, args, output):
