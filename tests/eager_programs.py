@@ -121,6 +121,15 @@ LOSSES = {
 }
 
 
+def statements(body):
+    """The statements of ``body`` and, depth first, of every block in them."""
+    for s in body:
+        yield s
+        yield from statements(s.body)
+        yield from statements(s.orelse)
+        yield from statements(s.enabled or [])
+
+
 @dataclasses.dataclass
 class Program:
     modules: list   # ModuleSpec, root first
@@ -151,16 +160,11 @@ class Program:
         return any(s.kind == kind for s in self.walk())
 
     def walk(self):
-        def go(stmts):
-            for s in stmts:
-                yield s
-                yield from go(s.body)
-                yield from go(s.orelse)
-                yield from go(s.enabled or [])
         for m in self.modules:
-            yield from go(m.body)
+            yield from statements(m.body)
         step = self.step
-        yield from go(step.pre + step.post + ([step.top_disabled] if step.top_disabled else []))
+        yield from statements(step.pre + step.post +
+                              ([step.top_disabled] if step.top_disabled else []))
         if step.disabled_call:
             yield Stmt("disabled_call")
 

@@ -68,7 +68,7 @@ from hypothesis import strategies as st  # noqa: E402
 import amanda  # noqa: E402
 from amanda import controls  # noqa: E402
 from amanda.errors import AmandaError  # noqa: E402
-from tests.eager_programs import by_step, programs, run  # noqa: E402
+from tests.eager_programs import by_step, programs, run, statements  # noqa: E402
 
 EXAMPLES = {"cache": 120, "disabled": 120, "identity": 100, "state": 80, "ids": 100,
             "checkpoint": 100}
@@ -570,14 +570,6 @@ def test_op_ids_and_points(program, per_step):
 
 # -- (f) checkpointing ---------------------------------------------------------------------------
 
-def _statements(body):
-    for s in body:
-        yield s
-        yield from _statements(s.body)
-        yield from _statements(s.orelse)
-        yield from _statements(s.enabled or [])
-
-
 def _reaches(program, module, kinds, seen=()):
     """Whether ``module``'s forward, or a module it calls, has a statement of
     one of ``kinds``."""
@@ -585,7 +577,7 @@ def _reaches(program, module, kinds, seen=()):
     if module is None or module.name in seen:
         return False
     children = dict(module.children)
-    for s in _statements(module.body):
+    for s in statements(module.body):
         if s.kind in kinds:
             return True
         if s.attr in children and _reaches(program, by_name.get(children[s.attr][:-2]),
@@ -601,8 +593,8 @@ def enabled_block_branches_on_data(program):
     by_name = {m.name: m for m in program.modules}
     for m in program.modules:
         children = dict(m.children)
-        for s in _statements(m.body):
-            for e in _statements(s.enabled or []):
+        for s in statements(m.body):
+            for e in statements(s.enabled or []):
                 if e.kind == "branch_data" or (e.attr in children and _reaches(
                         program, by_name.get(children[e.attr][:-2]), {"branch_data"})):
                     return True
@@ -621,7 +613,7 @@ def inside_reentrant_segment(program, kinds):
     by_name = {m.name: m for m in program.modules}
     for module in program.modules:
         children = dict(module.children)
-        for s in _statements(module.body):
+        for s in statements(module.body):
             if s.kind == "ckpt" and s.reentrant and s.attr in children \
                     and _reaches(program, by_name.get(children[s.attr][:-2]), kinds):
                 return True
