@@ -33,7 +33,7 @@ RESULTS = ROOT / "benchmarks" / "pruning_projects_results.json"   # tracked: the
 #: module, project, type, backend / interface of the original, models the tool runs on
 PROJECTS = [
     ("tile_wise", "Tile-wise pruning", "static", "TensorFlow", "session hook",
-     "Keras VGG-style (TF graph); VGG/SqueezeNet/ResNet-style, BERT (PyTorch)"),
+     "Keras VGG-style, Keras applications VGG16/VGG19 (TF graph); VGG/SqueezeNet/ResNet-style, BERT (PyTorch)"),
     ("feature_boosting", "Dynamic channel pruning (FBS)", "dynamic", "PyTorch",
      "source modification", "VGG-, SqueezeNet-, ResNet-style, transformers ResNet"),
     ("activation", "Activation pruning", "dynamic", "PyTorch", "source modification",
