@@ -68,7 +68,7 @@ from hypothesis import strategies as st  # noqa: E402
 import amanda  # noqa: E402
 from amanda import controls  # noqa: E402
 from amanda.errors import AmandaError  # noqa: E402
-from tests.eager_programs import by_step, programs, run, statements  # noqa: E402
+from tests.eager_programs import MODULE_OPS, by_step, programs, run, statements  # noqa: E402
 
 EXAMPLES = {"cache": 120, "disabled": 120, "identity": 100, "state": 80, "ids": 100,
             "checkpoint": 100}
@@ -424,7 +424,7 @@ def check_disabled_rule(program, points, names, per_step):
         assert_same_sequence(forward_only(x), forward_only(y),
                              "forward, with disabled() blocks (got) vs without them (want)", i)
         got_b, want_b = backward_only(x), backward_only(y)
-        if disabled_block_calls_a_module(program):
+        if disabled_block_uses_a_parameter(program):
             # A parameter's gradient accumulator is one autograd node, shared
             # by every graph that uses the parameter: where an instrumented op
             # owns it, it has points whenever it runs, also for the gradient
@@ -437,10 +437,12 @@ def check_disabled_rule(program, points, names, per_step):
                              "backward, with disabled() blocks (got) vs without them (want)", i)
 
 
-def disabled_block_calls_a_module(program):
+def disabled_block_uses_a_parameter(program):
+    """Whether a disabled block uses a parameter: calls a module, or an op
+    on ``self.w`` (``F.linear(side, self.w)``)."""
     def calls(body, inside):
         for s in body:
-            if inside and s.attr is not None:
+            if inside and (s.attr is not None or s.op in MODULE_OPS):
                 return True
             if calls(s.body, inside or s.kind == "disabled") or calls(s.orelse, inside):
                 return True

@@ -494,3 +494,90 @@ def test_a_backward_op_appearing_later_is_analysed():
         model(x).sum().backward()
     new = set(tool.executions) - set(before)
     assert any(point.startswith("b") for _, point in new)
+
+
+class BackwardCounter(amanda.Tool):
+    """Backward points only: forward ops take the fast path once analysed."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self._bwd, backward=True)
+
+    def _bwd(self, context):
+        key = (context.get_op_name(), context.get_backward_op().name())
+        context.insert_before_backward_op(self._count, key=key)
+
+    def _count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+def test_an_in_place_op_returning_none_gets_its_backward_op_when_grad_appears_later():
+    """``h[0] = ...`` (``Tensor.__setitem__`` returns None) first runs on a
+    tensor that needs no grad, then on one that does: its ``CopySlices``
+    node is found from the tensor it modified, cached as without the cache."""
+    def run(cache):
+        tool = BackwardCounter()
+        with amanda.apply(tool), (contextlib.nullcontext() if cache
+                                  else amanda.cache_disabled()):
+            for step in range(3):
+                x = torch.rand(3, 4, requires_grad=step > 0)
+                h = x.clone()
+                h[0] = torch.tanh(h[1])
+                if h.requires_grad:
+                    h.sum().backward()
+        return tool.executions
+    cached, uncached = run(True), run(False)
+    assert cached == uncached
+    assert uncached[("__setitem__", "CopySlices")] == 2
+    assert backend_state() == CLEAN
+
+
+class Cloner(amanda.Tool):
+    """Replaces every forward op's inputs by clones (straight-through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self._fwd)
+
+    def _fwd(self, context):
+        context.insert_before_op(self._clone)
+
+    def _clone(self, *tensors):
+        return [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+class CutSegment(nn.Module):
+    """A reentrant checkpoint whose segment's graph is cut by no_grad: torch
+    runs the nodes before it with no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def segment(self, h):
+        with torch.no_grad():
+            h = h * 2
+        return self.inner(h)
+
+    def forward(self, x):
+        h = x.clone()
+        return self.head(checkpoint(self.segment, h, use_reentrant=True))
+
+
+def test_a_replaced_input_that_gets_no_gradient_stays_without_one():
+    model = CutSegment()
+    x = torch.rand(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    vanilla = [p.grad for p in model.parameters()] + [x.grad]
+    model.zero_grad(set_to_none=True)
+    y = x.detach().clone().requires_grad_()
+    with amanda.apply(Cloner()):
+        model(y).sum().backward()
+    got = [p.grad for p in model.parameters()] + [y.grad]
+    assert [g is None for g in got] == [v is None for v in vanilla]
+    assert y.grad is None
+    assert all(torch.equal(g, v) for g, v in zip(got, vanilla) if v is not None)
+    assert backend_state() == CLEAN

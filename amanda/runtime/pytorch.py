@@ -164,6 +164,11 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, original, box):
+        # no gradient stays no gradient (torch would hand backward zeros):
+        # torch runs nodes with undefined gradients (e.g. before a reentrant
+        # checkpoint whose segment's graph is cut), and an input that gets
+        # no gradient in vanilla must get none here either
+        ctx.set_materialize_grads(False)
         return box[0]
 
     @staticmethod
@@ -943,11 +948,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         result = func(*args, **kwargs)
     else:
         result = computed
-    outputs = _flatten_outputs(result)
-    if result is None:
-        # An in-place op that returns None (Tensor.__setitem__, _foreach_*_):
-        # its outputs are the tensors it modified, its first argument.
-        outputs = _modified_tensors(args)
+    outputs = _op_outputs(result, args)
     nodes = ()
     if _grad_enabled() and (record.watch or cache.trace is not None or (
             session.has_backward and _sequence_nr() - mark != record.nodes)):
@@ -986,11 +987,22 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
 def _walk_again(cache, record, args, kwargs, result, mark):
     """The op created other autograd nodes than when it was last walked:
     find them, so a backward op seen for the first time is analysed."""
-    nodes = _walk_new_nodes(_flatten_outputs(result), mark, (cache.session.token, record.op_id))
+    nodes = _walk_new_nodes(_op_outputs(result, args), mark,
+                            (cache.session.token, record.op_id))
     record.nodes = _sequence_nr() - mark
     if nodes:
         _install_backward(cache.session, record, nodes, _flatten(args, kwargs)[0])
     record.refresh()
+
+
+def _op_outputs(result, args):
+    """The tensors an op produced: those it returned, or, for an in-place op
+    that returns None (``Tensor.__setitem__``, ``_foreach_*_``), those it
+    modified, its first argument. Every path that looks at an op's outputs
+    (points, the autograd walk, a walk again on the fast path) uses this."""
+    if result is None:
+        return _modified_tensors(args)
+    return _flatten_outputs(result)
 
 
 def _modified_tensors(args):
