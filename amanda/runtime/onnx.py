@@ -34,6 +34,7 @@ model's bytes. How it fits together and its limits: ``docs/onnx.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import hashlib
 import inspect
@@ -57,8 +58,8 @@ from amanda.runtime import swapped
 from amanda.runtime.onnx_portable import NotNative, PortableEmitter, elem_type
 from amanda.runtime.routines import call_routine
 
-__all__ = ["DRIVER", "current_run", "evaluate", "example_feeds", "export", "inference_session",
-           "instrument_model", "lower", "session_options"]
+__all__ = ["DRIVER", "current_run", "evaluate", "example_feeds", "export", "hosted_observation",
+           "inference_session", "instrument_model", "lower", "session_options"]
 
 #: Highest IR version onnxruntime 1.31 reads (onnx writes 14 by default).
 MAX_IR_VERSION = 13
@@ -990,8 +991,13 @@ class _SideBranches(_Lowering):
             graph; the routines then run in the user's graph.
     """
 
-    def __init__(self, graph, model, optimized):
+    def __init__(self, graph, model, optimized, fetch=False):
         super().__init__(graph, callbacks=True)
+        self.fetch = fetch
+        self.fetched = []   # (routine key, names of its tensors), in program order
+        self._declared = set()
+        self.copied = set()   # initializers copied back in for routines (see resolve)
+        self.plan = None
         self.result = onnx.ModelProto()
         self.result.CopyFrom(optimized)
         self.original = model
@@ -1008,7 +1014,11 @@ class _SideBranches(_Lowering):
         self.scope = None
 
     def model(self):
+        outputs = [o.name for o in self.result.graph.output]
         self._attach(self.top, self.result.graph, self.original.graph)
+        if self.fetch:
+            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
+            _drop_unread_initializers(self.result.graph, self.copied)
         # side-branch nodes were appended; onnxruntime wants nodes that
         # produce a value a body reads (a token) listed before the body's node
         _sort_nodes(self.result.graph)
@@ -1049,6 +1059,40 @@ class _SideBranches(_Lowering):
             raise _NotSide(op.name)
         self._attach(body, theirs, mine)
 
+    def _callback(self, op, action, where):
+        """In fetch mode a top-level routine becomes an entry of the plan:
+        its tensors are fetched as extra outputs of the run and the routine
+        is called after it (see `_FetchPlan`); no node is added."""
+        if not self.fetch or self.nested:
+            return super()._callback(op, action, where)
+        inputs = list(op.inputs)
+        in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
+        hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        key = _register_callback(_Callback(action, where, len(inputs), hosted, [], False,
+                                           observe=True))
+        names = []
+        for i in hosted:
+            name = self.name(inputs[i])
+            names.append(name)
+            self._declare_output(inputs[i], name)
+        for tensor, source in zip(op.outputs, inputs):
+            self._alias(tensor, self.name(source))
+        self.fetched.append((key, names))
+
+    def _declare_output(self, tensor, name):
+        """Make ``name`` an output of the top graph (once; not for graph
+        inputs and initializers, which `_FetchPlan` takes from the feed and
+        the model)."""
+        proto = self.result.graph
+        if name in self._declared:
+            return
+        self._declared.add(name)
+        if any(i.name == name for i in proto.input) or \
+                any(i.name == name for i in proto.initializer) or \
+                any(o.name == name for o in proto.output):
+            return
+        proto.output.append(self.value_info(tensor, name))
+
     def name(self, tensor):
         name = self.names.get(tensor)
         if name is None:
@@ -1074,6 +1118,7 @@ class _SideBranches(_Lowering):
             copy = scope.proto.initializer.add()
             copy.CopyFrom(weight)
             copy.name = scope.recomputed[name] = self.fresh(name)
+            self.copied.add(copy.name)
             return copy.name
         node = scope.producers.get(name)
         if node is None:
@@ -1098,6 +1143,129 @@ class _SideBranches(_Lowering):
         copy.output.extend(outputs)
         scope.proto.node.append(copy)
         return scope.recomputed[name]
+
+
+class _FetchPlan:
+    """Observe-only routines called after the run, on the run's own buffers.
+
+    The tensors the routines read are fetched as extra outputs of
+    ``session.run``; onnxruntime hands its outputs to Python as NumPy arrays
+    over its own buffers (no copy), and a graph output is never overwritten
+    by a later node, so each tensor is the value its node produced. The
+    routines are then called in program order on read-only views of them.
+    Graph inputs are taken from the feed and initializers from the model
+    (read once), so neither is copied per run.
+
+    Each run has its own outputs and calls its own routines on the calling
+    thread: concurrent runs never share anything but the (immutable) plan.
+
+    Args:
+        fetched: ``(routine key, [tensor name per hosted slot])`` in program order.
+        proto: the top graph of the model the session runs (outputs added).
+        outputs: the names of the model's own outputs.
+    """
+
+    __slots__ = ("calls", "extra", "outputs", "constants", "inputs")
+
+    def __init__(self, fetched, proto, outputs):
+        self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
+        self.outputs = list(outputs)
+        self.inputs = {i.name for i in proto.input}
+        self.constants = {}
+        wanted = {n for _, names in fetched for n in names}
+        for initializer in proto.initializer:
+            if initializer.name in wanted:
+                self.constants[initializer.name] = _read_only(
+                    numpy_helper.to_array(initializer))
+        self.extra = []
+        for name in dict.fromkeys(n for _, names in fetched for n in names):
+            if name not in self.inputs and name not in self.constants:
+                self.extra.append(name)
+
+    def fetches(self, output_names):
+        """(names to fetch, how many of them the caller asked for)."""
+        if not output_names:
+            output_names = self.outputs
+        names = list(output_names)
+        asked = set(names)
+        names.extend(n for n in self.extra if n not in asked)
+        return names, len(output_names)
+
+    def call(self, values, feed):
+        """Call every routine, in program order, on read-only views of ``values``
+        (fetched name -> array), the feed and the model's initializers."""
+        for callback, names in self.calls:
+            arrays = [self._view(name, values, feed) for name in names]
+            callback.look(arrays)
+
+    def _view(self, name, values, feed):
+        value = values.get(name)
+        if value is None and name in self.inputs and name in feed:
+            value = feed[name]
+            if isinstance(value, ort.OrtValue):
+                value = value.numpy()
+        if value is None:
+            value = self.constants[name]
+        return _read_only(value)
+
+
+def _drop_unread_initializers(proto, names):
+    """Remove the initializers among ``names`` that no node reads: a
+    routine that observes a weight gets it from `_FetchPlan`, and
+    onnxruntime refuses an unread initializer that is not a graph input
+    (IR < 4)."""
+    read = set()
+
+    def collect(graph):
+        for node in graph.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + \
+                        list(attribute.graphs):
+                    collect(sub)
+    collect(proto)
+    keep = [i for i in proto.initializer if i.name not in names or i.name in read]
+    if len(keep) != len(proto.initializer):
+        del proto.initializer[:]
+        proto.initializer.extend(keep)
+
+
+def _read_only(value):
+    """A read-only view of ``value`` (the caller's array stays writable)."""
+    view = np.asarray(value).view()
+    view.flags.writeable = False
+    return view
+
+
+def _fetching_run(run, plan):
+    """``session.run`` that fetches the plan's tensors and calls its routines."""
+    def fetching(output_names, input_feed, run_options=None):
+        names, asked = plan.fetches(output_names)
+        results = run(names, input_feed, run_options)
+        plan.call(dict(zip(names, results)), input_feed)
+        return results[:asked]
+    fetching.__wrapped__ = run
+    return fetching
+
+
+def _fetching_run_with_ort_values(run, plan):
+    def fetching(output_names, input_dict_ort_values, run_options=None):
+        names, asked = plan.fetches(output_names)
+        results = run(names, input_dict_ort_values, run_options)
+        plan.call({n: results[i].numpy() for i, n in enumerate(names)}, input_dict_ort_values)
+        return results[:asked]
+    fetching.__wrapped__ = run
+    return fetching
+
+
+def _no_fetching(method):
+    def refuse(*args, **kwargs):
+        raise BackendError(
+            f"InferenceSession.{method} cannot call amanda's observe-only routines of this "
+            "session: they run after session.run (or run_with_ort_values) on the tensors it "
+            "fetches. Use those, or create the session inside "
+            "amanda.runtime.onnx.hosted_observation() to run the routines inside onnxruntime")
+    return refuse
 
 
 class _Available:
@@ -1470,6 +1638,29 @@ class _Callback:
                 return [np.zeros((), d) for d in self.out_dtypes]
             return list(arrays)
 
+    def look(self, arrays):
+        """Call an observe-only routine on read-only views (see `_FetchPlan`).
+
+        Raises:
+            ToolError: the routine raised; writing into a view is named as such.
+        """
+        values = [None] * self.count
+        for i, array in zip(self.hosted, arrays):
+            values[i] = array
+        try:
+            call_routine(self.action, values, _is_array, self.where)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValueError) and "read-only" in str(cause):
+                raise ToolError(
+                    f"instrumentation routine ({self.action.kind}) wrote into a tensor it "
+                    "observes: a routine that only returns None receives read-only views of "
+                    "onnxruntime's own buffers, not copies. Copy the array to change it "
+                    "(numpy.array(x)), or return a new array to replace the value",
+                    tool=self.action.tool, routine=self.action.func, op_name=self.where[0],
+                    op_id=self.where[1], namespace=self.where[2]) from cause
+            raise
+
     def _run(self, arrays):
         if self.replacing:
             values = list(arrays)
@@ -1679,18 +1870,50 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
     """Bytes of the optimised model with the observe-only routines attached,
     cached per optimisation level and providers; None if a routine reads a
     tensor that cannot be recomputed (it then runs in the model's dataflow)."""
-    key = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
+    graph, model = hit.side
+    fetch = not getattr(_observation, "hosted", False) and not _bodies_host_routines(graph)
+    key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
+           fetch)
     found = hit.optimised.get(key)
     if found is None:
-        graph, model = hit.side
         optimised = _optimised_by_onnxruntime(model.SerializeToString(), options, providers,
                                               provider_options, kwargs)
         try:
-            found = _SideBranches(graph, model, optimised).model().SerializeToString()
+            branches = _SideBranches(graph, model, optimised, fetch=fetch)
+            found = branches.model().SerializeToString(), branches.plan
         except _NotSide:
-            found = b""
+            found = b"", None
         hit.optimised[key] = found
-    return found or None
+    return found if found[0] else (None, None)
+
+
+def _bodies_host_routines(graph):
+    """Whether a routine sits inside an If/Loop/Scan body of ``graph``: those
+    run inside onnxruntime, so (to keep program order) all routines do."""
+    return any(_hosts_routines(body) for op in graph for _, body in _bodies(op))
+
+
+_observation = threading.local()
+
+
+@contextlib.contextmanager
+def hosted_observation():
+    """Sessions created inside run observe-only routines inside onnxruntime.
+
+    By default, when every routine of a session only observes, the tensors
+    they read are fetched as extra outputs of ``session.run`` and the routines
+    are called after the run, in program order, on read-only views of
+    onnxruntime's buffers (no copy, whatever the tensor's size). Inside this
+    scope (per thread) they run as Python ops during the run instead, each
+    on a copy of its tensors, next to their ops: for routines whose timing
+    matters, or sessions run with ``run_with_iobinding``/``run_async``.
+    """
+    saved = getattr(_observation, "hosted", False)
+    _observation.hosted = True
+    try:
+        yield
+    finally:
+        _observation.hosted = saved
 
 
 def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
@@ -1704,9 +1927,9 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         return _original_init(self, hit.data, sess_options, providers, provider_options,
                               **kwargs)
     options = session_options(sess_options)
-    data = None
+    data = plan = None
     if hit.side is not None:
-        data = _side_branch_model(hit, options, providers, provider_options, kwargs)
+        data, plan = _side_branch_model(hit, options, providers, provider_options, kwargs)
     if data is not None:
         # the model is optimised already: optimising again could fuse the
         # side branches into it
@@ -1728,6 +1951,20 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 "never change outputs). See docs/onnx.md.", stacklevel=2)
         _original_init(self, hit.data, options, providers, provider_options, **kwargs)
     self.run = _checked_run(self.run)
+    if plan is not None:
+        _fetch_for(self, plan)
+
+
+def _fetch_for(session, plan):
+    """Make ``session`` call the plan's routines after each run, its extra
+    outputs hidden from the user (``get_outputs``, ``run(None, ...)``)."""
+    mine = set(plan.outputs)
+    session._outputs_meta = [o for o in session._outputs_meta if o.name in mine]
+    session.run = _fetching_run(session.run, plan)
+    session.run_with_ort_values = _fetching_run_with_ort_values(
+        session.run_with_ort_values, plan)
+    for method in ("run_with_iobinding", "run_async"):
+        setattr(session, method, _no_fetching(method))
 
 
 _patched_init.__wrapped__ = _original_init
