@@ -180,7 +180,8 @@ def test_concurrent_runs_see_their_own_values():
 
         def look(self, out, op):
             with lock:
-                self.seen.setdefault(threading.current_thread().name, []).append((op, np.array(out)))
+                name = threading.current_thread().name
+                self.seen.setdefault(name, []).append((op, np.array(out)))
 
     tool = PerThread()
     session = instrumented(model, tool)
