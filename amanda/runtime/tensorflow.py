@@ -846,22 +846,33 @@ class _VariableSync:
         self._copy_ops = {}
 
     def _variables(self):
-        """(name, read tensor in user graph, assign op in user graph) per variable."""
+        """(name, read tensor in user graph, assign op in user graph) per variable.
+
+        Only ops that run nothing but themselves are used: a read or assign
+        with a control input (``var.assign(var * mask)`` under
+        ``tf.control_dependencies([train_op])``, or the read TensorFlow adds
+        after a resource variable's assign) would run the user's other ops
+        during a sync (a training step, a placeholder the run does not feed),
+        and an assign must write the variable itself, not take a reference
+        variable as its value.
+        """
         graph = self.shadow.user_graph
         found = []
         for op in graph.get_operations():
             if op.type == "VarHandleOp":
-                read = next((c.outputs[0] for c in op.outputs[0].consumers()
-                             if c.type == "ReadVariableOp"), None)
-                assign = next((c for c in op.outputs[0].consumers()
-                               if c.type == "AssignVariableOp"
-                               and graph.is_feedable(c.inputs[1])), None)
+                reads, assigns = ("ReadVariableOp",), ("AssignVariableOp",)
             elif op.type in ("VariableV2", "Variable"):
-                read = op.outputs[0]
-                assign = next((c for c in op.outputs[0].consumers()
-                               if c.type == "Assign" and graph.is_feedable(c.inputs[1])), None)
+                reads, assigns = (), ("Assign",)
             else:
                 continue
+            consumers = op.outputs[0].consumers()
+            read = op.outputs[0] if not reads else next(
+                (c.outputs[0] for c in consumers if c.type in reads and _runs_alone(c)), None)
+            assign = next((c for c in consumers
+                           if c.type in assigns and _runs_alone(c)
+                           and c.inputs[0].name == op.outputs[0].name
+                           and graph.is_feedable(c.inputs[1])),
+                          None)
             if read is not None:
                 found.append((op.name, read, assign))
         return found
@@ -929,7 +940,15 @@ class _VariableSync:
             _original_run(self.shadow.user_session, assigns, feeds)
         if missing:
             warnings.warn("amanda could not hand these variables back to the user session "
-                          f"(no feedable initializer): {', '.join(missing)}")
+                          f"(no fed assign op that runs alone): {', '.join(missing)}")
+
+
+def _runs_alone(op):
+    """Whether running ``op`` (its value input fed, if any) runs no other op
+    of the user's graph than the variable it reads or writes: no control
+    inputs. Consumers are in no fixed order (TensorFlow keeps them in a hash
+    set), so this is checked, never assumed from the order."""
+    return not op.control_inputs
 
 
 def _sync_ops(var, dtype):

@@ -11,6 +11,7 @@ the ones TensorFlow gives outside it, or a loud amanda error.
 """
 
 import collections
+import contextlib
 
 import numpy as np
 import pytest
@@ -424,3 +425,80 @@ def test_portable_replacements_are_checked_when_lowered(routine):
     with pytest.raises(amanda.ToolError, match="keep the shape and dtype"):
         with amanda.apply(Routine("Square", routine, "before")):
             function_case()(tf.ones(64))
+
+
+# -- 5. amanda's variable sync runs none of the user's ops ----------------------------
+#
+# Variable values move between the user session and the instrumented copy's
+# session through existing reads and assigns of the user's graph. A pruning
+# hook (``var.assign(var * mask)`` after the training step, the mask fed
+# through a placeholder) adds reads and assigns with control inputs; running
+# one of those would run the user's training step or ask for the mask. Which
+# consumer TensorFlow lists first is not fixed (a hash set), so several
+# variables of both kinds make the bad choice certain before the fix.
+
+N_HOOKED = 16
+
+
+def pruning_hook_graph():
+    rng = np.random.RandomState(1)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        weights = [v1.get_variable(f"w{i}", initializer=rng.randn(4, 4).astype(np.float32) / 2,
+                                   use_resource=i % 2 == 0) for i in range(N_HOOKED)]
+        masks = [v1.placeholder(tf.float32, [4, 4], name=f"mask{i}") for i in range(N_HOOKED)]
+        h = x
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf.control_dependencies([train]):   # the hook: step, then re-apply the masks
+            prune = [tf.convert_to_tensor(w.assign(w * m)) for w, m in zip(weights, masks)]
+        init = v1.global_variables_initializer()
+    mask_values = [(rng.rand(4, 4) > 0.3).astype(np.float32) for _ in masks]
+    return graph, dict(x=x, weights=weights, loss=loss, train=train, prune=prune, init=init,
+                       masks=dict(zip(masks, mask_values)))
+
+
+def hooked_runs(session, t, tool):
+    """Two scopes (values move into the copy and back twice), the hook fed in
+    one run only; the fetches of every run and the variables at the end."""
+    xs = np.random.RandomState(2).randn(3, 4).astype(np.float32)
+    runs = [(t["loss"], {t["x"]: xs}),
+            ([t["loss"], t["train"]], {t["x"]: xs}),
+            (t["prune"], {t["x"]: xs, **t["masks"]}),
+            (t["loss"], {t["x"]: xs})]
+    fetched = []
+    for scope in range(2):
+        with contextlib.ExitStack() as stack:
+            if tool is not None:
+                stack.enter_context(amanda.apply(tool))
+            fetched += [session.run(f, d) for f, d in runs]
+    return fetched, session.run(t["weights"])
+
+
+def test_variable_sync_runs_no_user_op_and_equals_a_plain_session():
+    graph, t = pruning_hook_graph()
+    sessions = []
+    for _ in range(2):
+        with graph.as_default():
+            sessions.append(v1.Session())
+        sessions[-1].run(t["init"])
+    want = hooked_runs(sessions[0], t, None)
+    tool = Observe({"MatMul", "ReadVariableOp"})
+    got = hooked_runs(sessions[1], t, tool)
+    same(got, want)
+    assert tool.calls > 0
+
+
+def test_a_pruner_runs_beside_a_placeholder_fed_pruning_hook():
+    from amanda.tools.pruning_projects.tile_wise import TileWisePruner
+    graph, t = pruning_hook_graph()
+    with graph.as_default():
+        session = v1.Session()
+    session.run(t["init"])
+    pruner = TileWisePruner(sparsity=0.5, tile=2)
+    fetched, weights = hooked_runs(session, t, pruner)
+    assert len(pruner.masks()) == N_HOOKED
+    assert np.isfinite(fetched[-1]) and all(np.isfinite(w).all() for w in weights)
