@@ -62,3 +62,9 @@ def describe(obj) -> str:
     if name is not None:
         return name
     return type(obj).__name__
+
+
+class NotInstrumentedWarning(UserWarning):
+    """Part of the user's program runs without its own points (a limit of a
+    backend, e.g. ops inside TensorFlow function bodies): amanda says so
+    rather than report counts that silently leave it out."""

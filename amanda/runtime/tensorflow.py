@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import threading
 import warnings
@@ -43,7 +44,8 @@ from tensorflow.python.util import nest
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
 from amanda import controls, portable
-from amanda.errors import AmandaError, BackendError, ToolError
+from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning, ToolError
+from amanda.ir import Graph
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime import swapped
@@ -405,6 +407,42 @@ def _replacer(action, where, shapes, dtypes):
     return _hosting(action, where, run)
 
 
+def _user_stacklevel():
+    """The ``stacklevel`` that makes a warning name the user's line (the
+    first caller outside amanda and TensorFlow)."""
+    import sys
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            os.path.dirname(os.path.abspath(tf.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# Ops of a function body that are its plumbing, not computation.
+_BODY_PLUMBING = frozenset({"Placeholder", "Const", "Identity", "IdentityN", "NoOp"})
+
+
+def _ops_in_bodies(ir_graph):
+    """The call ops of ``ir_graph`` (``While``, ``If``, ``PartitionedCall``...)
+    whose function bodies compute something, each with the number of
+    computing ops in its bodies (nested bodies included)."""
+    def count(graph):
+        total = 0
+        for op in graph.ops:
+            total += op.type not in _BODY_PLUMBING
+            total += sum(count(v) for v in op.attrs.values() if isinstance(v, Graph))
+        return total
+    found = []
+    for op in ir_graph.ops:
+        bodies = [v for v in op.attrs.values() if isinstance(v, Graph)]
+        if bodies:
+            n = sum(count(body) for body in bodies)
+            if n:
+                found.append((op, n))
+    return found
+
+
 class _GraphRewrite:
     """An instrumented copy of a user graph, kept up to date as it grows.
 
@@ -427,6 +465,7 @@ class _GraphRewrite:
         self._bare_after = set()    # names of those routines
         self._bare_before = {}      # op name -> its before-routines that pass no tensor
         self._control_users = None  # op name -> copy ops having it as control input
+        self.warned_bodies = set()  # call ops whose bodies' ops were said to be no points
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -442,6 +481,7 @@ class _GraphRewrite:
             return False
         from amanda.frontends.tensorflow import lift_graph
         ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
+        self._warn_bodies(ir_graph)
         state = controls.state
         saved, state.disabled = state.disabled, True   # rules may run the user's graph
         try:
@@ -455,6 +495,22 @@ class _GraphRewrite:
         self._realise(lowered)
         self.version = version
         return True
+
+    def _warn_bodies(self, ir_graph):
+        """Say, once per call op, that the ops in its function bodies are not
+        points of their own (docs/tensorflow.md, Limits)."""
+        calls = [(op, count) for op, count in _ops_in_bodies(ir_graph)
+                 if op.name not in self.warned_bodies]
+        if not calls:
+            return
+        self.warned_bodies.update(op.name for op, _ in calls)
+        listed = ", ".join(f"{op.name!r} ({op.type}, {count} ops)" for op, count in calls[:5])
+        more = f" and {len(calls) - 5} more" if len(calls) > 5 else ""
+        warnings.warn(
+            f"amanda (TensorFlow): {sum(c for _, c in calls)} ops inside the function "
+            f"bodies of {len(calls)} call op(s) are not instrumented one by one; only the "
+            f"call ops are points: {listed}{more}. See docs/tensorflow.md, Limits.",
+            NotInstrumentedWarning, stacklevel=_user_stacklevel())
 
     def tensor(self, name):
         """The tensor of the copy that stands for the user's tensor ``name``.
