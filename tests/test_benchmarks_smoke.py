@@ -77,3 +77,17 @@ def test_run_main_parses_options(tmp_path, monkeypatch):
     assert (tmp_path / "eager.md").read_text() == "# report\n"
     with pytest.raises(SystemExit):
         run.parse_args(["--only", "nope"])
+
+
+def test_memory_suite_measures_one_configuration(monkeypatch):
+    from benchmarks import memory
+    monkeypatch.setattr(memory, "_build", lambda model, batch: _tiny())
+    plain = memory.one("tiny", 3, "vanilla")
+    seen = memory.one("tiny", 3, "observe (4 points)")
+    assert plain["routine_calls"] == 0 and seen["routine_calls"] > 0
+    assert seen["peak_kib"] >= seen["built_kib"] > 0
+    row = {"model": "tiny", "batch": 3, "allocator": "default malloc", "vanilla": plain,
+           "observe (4 points)": seen}
+    markdown = memory.render([row], harness.machine_info())
+    assert "| default malloc | tiny | 3 |" in markdown
+    assert "memory" in run.SUITES
