@@ -577,17 +577,29 @@ def test_op_ids_and_points(program, per_step):
 
 # -- (f) checkpointing ---------------------------------------------------------------------------
 
+def _child_module(program, module, attr):
+    """The ModuleSpec a child attribute of ``module`` holds (aliases
+    ``self.cX = self.cY`` followed), or None (a leaf, a list)."""
+    children = dict(module.children)
+    expr = children.get(attr)
+    for _ in range(len(children)):
+        if expr is None or not expr.startswith("self."):
+            break
+        expr = children.get(expr[len("self."):])
+    if expr is None or not expr.endswith("()"):
+        return None
+    return {m.name: m for m in program.modules}.get(expr[:-2])
+
+
 def _reaches(program, module, kinds, seen=()):
     """Whether ``module``'s forward, or a module it calls, has a statement of
     one of ``kinds``."""
-    by_name = {m.name: m for m in program.modules}
     if module is None or module.name in seen:
         return False
-    children = dict(module.children)
     for s in statements(module.body):
         if s.kind in kinds:
             return True
-        if s.attr in children and _reaches(program, by_name.get(children[s.attr][:-2]),
+        if s.attr is not None and _reaches(program, _child_module(program, module, s.attr),
                                            kinds, seen + (module.name,)):
             return True
     return False
@@ -597,13 +609,11 @@ def enabled_block_branches_on_data(program):
     """Whether an ``enabled()`` block inside a disabled block calls a module
     that branches on its input's values: the variant without the disabled
     statements feeds it other values, so it may take the other branch."""
-    by_name = {m.name: m for m in program.modules}
     for m in program.modules:
-        children = dict(m.children)
         for s in statements(m.body):
             for e in statements(s.enabled or []):
-                if e.kind == "branch_data" or (e.attr in children and _reaches(
-                        program, by_name.get(children[e.attr][:-2]), {"branch_data"})):
+                if e.kind == "branch_data" or (e.attr is not None and _reaches(
+                        program, _child_module(program, m, e.attr), {"branch_data"})):
                     return True
     return False
 
@@ -617,12 +627,10 @@ def inside_reentrant_segment(program, kinds):
     segment's graph is cut, yet its autograd node still connects its output
     to its input, so torch runs the nodes before the segment, with no
     gradient)."""
-    by_name = {m.name: m for m in program.modules}
     for module in program.modules:
-        children = dict(module.children)
         for s in statements(module.body):
-            if s.kind == "ckpt" and s.reentrant and s.attr in children \
-                    and _reaches(program, by_name.get(children[s.attr][:-2]), kinds):
+            if s.kind == "ckpt" and s.reentrant and s.attr is not None \
+                    and _reaches(program, _child_module(program, module, s.attr), kinds):
                 return True
     return False
 
