@@ -1365,24 +1365,39 @@ def _restore_engine():
 
 # -- torch.compile ----------------------------------------------------------------
 
-# While amanda is applied, compiled callables run their Python code eagerly,
-# so every op is seen (Dynamo would otherwise trace the mode's handler or run
-# graphs in which no op is an instrumentation point). Dynamo's stance is
-# process-wide: another thread's compiled code runs eagerly meanwhile too.
+# While amanda is applied, compiled callables run instrumented compiled graphs
+# (amanda.runtime.pytorch_compiled: Dynamo's callback is chosen per call and
+# session), or, for what that path cannot do, their Python code eagerly, so
+# every op is seen (Dynamo would otherwise trace the mode's handler or run
+# graphs in which no op is an instrumentation point). With
+# pytorch_compiled.ENABLED false, Dynamo's stance is force_eager for every
+# call, as before; that stance is process-wide: another thread's compiled
+# code runs eagerly meanwhile too (the compiled path does the same).
 _COMPILE = {"prior": None}
+_COMPILED_PATH = "compiled path"   # _COMPILE["prior"] while the compiled path is installed
 
 
 def _compile_eagerly():
     if _COMPILE["prior"] is not None:
         return
     from torch._dynamo import eval_frame
+
+    from amanda.runtime import pytorch_compiled
     WRAPPER_MODULES.add(eval_frame.OptimizedModule)
-    _COMPILE["prior"] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+    if pytorch_compiled.ENABLED:
+        pytorch_compiled.install()
+        _COMPILE["prior"] = _COMPILED_PATH
+    else:
+        _COMPILE["prior"] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
 
 
 def _restore_compile():
     prior = _COMPILE["prior"]
-    if prior is not None:
+    if prior is _COMPILED_PATH:
+        from amanda.runtime import pytorch_compiled
+        pytorch_compiled.uninstall()
+        _COMPILE["prior"] = None
+    elif prior is not None:
         from torch._dynamo import eval_frame
         eval_frame._set_stance(prior)
         _COMPILE["prior"] = None

@@ -1,0 +1,596 @@
+"""Compiled PyTorch: tools run on ``torch.compile``d code, inside the compiled graphs.
+
+While amanda is applied, every call of a compiled callable goes through
+Dynamo's ``_callback_from_stance``, the function that picks the callback
+(the compiler) for the call. amanda wraps it (`install`/`uninstall`) and picks
+one of three ways for each call:
+
+* **instrumented** (the thread is inside ``apply``, the tools have forward
+  routines only): the call gets a callback of its own per (session, user's
+  callback), whose compiler is `InstrumentingBackend`: the FX graph Dynamo
+  captured is lifted into the IR (`lift_dynamo_graph`), the tools' analysis
+  runs once on it, the actions are inserted into the graph (`insert_actions`)
+  and the result is handed to the user's compiler (inductor by default).
+  Dynamo keys its cache by the callback's backend, so the instrumented code
+  is cached by Dynamo itself, beside the vanilla code: re-entering ``apply``
+  with the same tools compiles nothing; other tools compile their own version.
+  For the duration of the call amanda's eager machinery (its
+  ``TorchFunctionMode`` and global module hooks) is taken out of the thread,
+  so Dynamo neither traces it nor guards on it;
+* **vanilla** (inside ``amanda.disabled()``): the user's callback, with the
+  eager machinery out of the way: the vanilla compiled code runs;
+* **eager** (everything the compiled path cannot do: tools with backward
+  routines or graph tools, another thread's compiled code, an unexpected
+  Dynamo layout): no callback, i.e. Dynamo's ``force_eager``: the Python code
+  runs eagerly and amanda's eager runtime sees every op, as before this
+  module existed. Points are never dropped silently.
+
+Python routines become calls of opaque ``torch.library`` custom ops
+(``amanda::observe``, side-effectful, and ``amanda::replace``, straight-through
+for autograd), so they cause no graph break; portable routines
+(`amanda.portable.routine`) are called inside the graph and traced by the
+compiler like model code.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+import sys
+import threading
+
+import torch
+import torch.fx
+
+from amanda import controls
+from amanda.context import AFTER_OP, BEFORE_OP, OpContext
+from amanda.errors import BackendError
+from amanda.ir import Graph
+from amanda.passes.instrumentation import GraphBackend, _run_points
+from amanda.runtime.routines import call_routine
+from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
+
+__all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "lift_dynamo_graph",
+           "uninstall"]
+
+#: The namespace of contexts of compiled graphs.
+NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/compiled"
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+
+#: False: compiled callables inside ``apply`` always run eagerly (Dynamo's
+#: ``force_eager`` stance), the behaviour before this module existed.
+ENABLED = True
+
+_tls = threading.local()
+_PATCH = {"original": None}
+_CALLBACKS = {}   # (session token, id(user callback)) -> (user callback, amanda callback)
+_ROUTINES = []    # handle -> _Routine, for the custom ops
+
+
+# -- Dynamo's callback --------------------------------------------------------------------
+
+def install():
+    """Route compiled calls through `_pick_callback` (while amanda is applied)."""
+    if _PATCH["original"] is not None:
+        return
+    from torch._dynamo import eval_frame
+    _PATCH["original"] = eval_frame._callback_from_stance
+    eval_frame._callback_from_stance = _pick_callback
+
+
+def uninstall():
+    """Restore Dynamo's ``_callback_from_stance`` (the last scope left)."""
+    original = _PATCH["original"]
+    if original is not None:
+        from torch._dynamo import eval_frame
+        eval_frame._callback_from_stance = original
+        _PATCH["original"] = None
+
+
+def _pick_callback(callback):
+    chosen = _PATCH["original"](callback)
+    if chosen is None or chosen is False or _PATCH["original"] is None:
+        return chosen          # the user's stance runs it eagerly: amanda's eager runtime sees it
+    if getattr(_tls, "suspended", 0):
+        # a compiled call nested in one (across a graph break): same choice as the outer call
+        return _tls.choice(chosen)
+    from amanda.runtime import pytorch as eager
+    from amanda.tool import current_session
+
+    st = getattr(eager._tls, "state", None)
+    session = current_session()
+    if st is None or not st.depth or session is None:
+        return None            # another thread's compiled code while amanda is applied: eagerly
+    if controls.state.disabled:
+        choice = _vanilla
+    elif session.has_backward or session.requires_graph:
+        return None            # backward points / whole graphs: the eager runtime (see the docs)
+    else:
+        choice = _instrumented(session)
+    cleanups = _caller_cleanups()
+    stack = torch.overrides._get_current_function_mode_stack()
+    if cleanups is None or not stack or stack[-1] is not st.mode:
+        return None            # a layout this module does not know: eagerly, never unseen
+    _suspend(st)
+    _tls.choice = choice
+    cleanups.append(_resume)
+    return choice(chosen)
+
+
+def _vanilla(callback):
+    return callback
+
+
+def _instrumented(session):
+    def choose(callback):
+        key = (session.token, id(callback))
+        entry = _CALLBACKS.get(key)
+        if entry is None or entry[0] is not callback:
+            entry = _CALLBACKS[key] = (callback, _amanda_callback(callback, session))
+        return entry[1]
+    return choose
+
+
+def _amanda_callback(callback, session):
+    from torch._dynamo import eval_frame
+    inner = callback._torchdynamo_orig_backend
+    user_compiler = getattr(inner, "_torchdynamo_orig_backend", None)
+    if user_compiler is None or not hasattr(inner, "_clone_with_backend"):
+        raise BackendError("amanda cannot read the compiler of this torch.compile'd callable; "
+                           "run it with torch.compiler.set_stance('force_eager')")
+    backend = InstrumentingBackend(session, user_compiler)
+    hooks = getattr(callback, "hooks", None) or eval_frame.Hooks()
+    from torch._dynamo import convert_frame
+    return convert_frame.catch_errors_wrapper(inner._clone_with_backend(backend), hooks)
+
+
+def _caller_cleanups():
+    """The ``cleanups`` list of Dynamo's ``compile_wrapper`` that called
+    ``_callback_from_stance``: its entries run when the compiled call ends."""
+    frame = sys._getframe(2)
+    if frame.f_code.co_name != "compile_wrapper":
+        return None
+    cleanups = frame.f_locals.get("cleanups")
+    return cleanups if type(cleanups) is list else None
+
+
+def _suspend(st):
+    """Take amanda's eager machinery out of this thread for a compiled call."""
+    torch._C._pop_torch_function_stack()
+    _tls.mode = st.mode
+    hooks = torch.nn.modules.module
+    from amanda.runtime.pytorch import DRIVER
+    ids = {handle.id for handle in DRIVER._handles}
+    saved = []
+    for table in (hooks._global_forward_pre_hooks, hooks._global_forward_hooks):
+        saved.append((table, list(table.items())))
+        for key in ids & set(table):
+            del table[key]
+    _tls.saved_hooks = saved
+    # disabled: the patched autograd engine must not push the mode back while
+    # AOTAutograd traces the joint graph, nor at the compiled backward
+    _tls.disabled = controls.state.disabled
+    controls.state.disabled = True
+    _tls.suspended = 1
+
+
+def _resume():
+    _tls.suspended = 0
+    controls.state.disabled = _tls.disabled
+    for table, items in _tls.saved_hooks:
+        added = [(k, v) for k, v in table.items() if k not in dict(items)]
+        table.clear()
+        table.update(items)
+        table.update(added)
+    _tls.saved_hooks = None
+    torch._C._push_on_torch_function_stack(_tls.mode)
+    _tls.mode = None
+
+
+# -- lifting Dynamo's graphs --------------------------------------------------------------
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _raw_op(node):
+    """The torch callable an eager run would see (``get_op()``) and its name."""
+    target = node.target
+    if node.op == "call_method":
+        raw = getattr(torch.Tensor, target, None)
+        return raw, target
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        raw = getattr(torch.Tensor, f"__{target.__name__.rstrip('_')}__", None)
+        if raw is not None:
+            return raw, getattr(raw, "__name__", target.__name__)
+    return target, getattr(target, "__name__", str(target))
+
+
+def _is_point(node):
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if not _tensors_in(_value(node)):
+        return False
+    if node.target is operator.getitem and isinstance(_value(node.args[0]), (tuple, list)):
+        return False           # an element of a tuple result: wiring, not an op
+    from amanda.runtime.pytorch import _QUERIES
+    return _raw_op(node)[1] not in _QUERIES
+
+
+def _tensor_args(node):
+    """The tensor arguments in the order an eager routine sees them."""
+    found = []
+
+    def visit(value):
+        if isinstance(value, torch.fx.Node):
+            if isinstance(_value(value), torch.Tensor):
+                found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.fx.Node) and isinstance(_value(item), torch.Tensor):
+                    found.append(item)
+    for a in node.args:
+        visit(a)
+    for a in node.kwargs.values():
+        if isinstance(a, torch.fx.Node) and isinstance(_value(a), torch.Tensor):
+            found.append(a)
+    return found
+
+
+def _module_path(node):
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None, None
+    path, cls = list(stack.values())[-1]
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)   # L['self'].layers[0] -> L.self.layers.0
+    parts = path.split(".")
+    return ".".join(parts[2:]), cls   # below the root (L.self / L.fn)
+
+
+def _site(node, cls, name):
+    """(qualified function, line) of the frame that calls the op, as eager picks it.
+
+    Dynamo records user frames only; an op inside one of torch's own layers
+    (``nn.Linear.forward``) has no stack trace, so the layer's source is read
+    for the first line that calls the op by name."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    for file, line, function in reversed(frames):
+        if file.startswith(_TORCH_DIR) and not file.startswith(_LAYER_DIR):
+            continue     # torch internals Dynamo inlined (F.relu's body): the site is further up
+        return _qualname(cls, file, function), int(line)
+    return _layer_site(cls, name)
+
+
+_LAYER_SITES = {}
+
+
+def _layer_site(cls, name):
+    key = (cls, name)
+    if key not in _LAYER_SITES:
+        _LAYER_SITES[key] = _find_layer_site(cls, name)
+    return _LAYER_SITES[key]
+
+
+def _find_layer_site(cls, name):
+    import inspect
+    call = re.compile(r"[.\s(]" + re.escape(name) + r"\(")
+    for klass in getattr(cls, "__mro__", ()):
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is None or not code.co_filename.startswith(_LAYER_DIR):
+                continue
+            try:
+                lines, first = inspect.getsourcelines(value)
+            except (OSError, TypeError):
+                continue
+            for offset, text in enumerate(lines):
+                if call.search(text):
+                    return code.co_qualname, first + offset
+    return None, None
+
+
+def _qualname(cls, file, name):
+    for klass in getattr(cls, "__mro__", ()):
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None and code.co_name == name and code.co_filename == file:
+                return code.co_qualname
+    return name
+
+
+class CompiledGraphBackend(GraphBackend):
+    """Contexts of compiled graphs: ``get_op()`` is the torch callable an eager
+    run calls, tensors are the fx nodes (``node.meta["example_value"]`` is a fake
+    tensor with shape and dtype)."""
+
+    namespace = NAMESPACE
+
+    def __init__(self, lifted):
+        super().__init__()
+        self.lifted = lifted
+
+    def raw_op(self, ir_op):
+        return self.lifted.raw_ops[ir_op.name]
+
+    def values(self, ir_tensors):
+        return [self.lifted.fx_nodes[t.name] for t in ir_tensors]
+
+
+class LiftedGraph:
+    """A Dynamo graph as IR: ``graph``, and per IR op its fx node, id and raw op."""
+
+    def __init__(self):
+        self.graph = Graph("pytorch_compiled", namespace=NAMESPACE)
+        self.nodes = {}      # IR op name -> fx node
+        self.fx_nodes = {}   # IR tensor name -> fx node
+        self.op_ids = {}     # IR op name -> op id (eager's formula)
+        self.raw_ops = {}
+        self.module_paths = {}
+
+
+def lift_dynamo_graph(gm):
+    """Lifts the FX graph Dynamo captured into the IR: one op per call that an
+    eager run would see as a point, ids computed like eager ids (module path,
+    calling function, line, op name, occurrence).
+
+    Returns:
+        A `LiftedGraph`.
+    """
+    from amanda.frontends.pytorch_graph import tensor_attrs
+    from amanda.runtime.pytorch import _stable_id
+
+    lifted = LiftedGraph()
+    values, counts, used = {}, {}, set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
+            lifted.fx_nodes[node.name] = node
+        elif _is_point(node):
+            inputs = [values[a] for a in _tensor_args(node) if a in values]
+            raw, name = _raw_op(node)
+            op = lifted.graph.create_op(name, inputs, num_outputs=1, name=node.name,
+                                        output_names=[node.name])
+            values[node] = op.outputs[0]
+            lifted.fx_nodes[node.name] = node
+            lifted.nodes[node.name] = node
+            lifted.raw_ops[node.name] = raw
+            path, cls = _module_path(node)
+            qualname, line = _site(node, cls, name)
+            parts = [path, qualname, line, name]
+            n = counts.get(tuple(parts), 0)
+            counts[tuple(parts)] = n + 1
+            parts.append(n)
+            op_id = _stable_id(*parts)
+            while op_id in used:
+                parts.append("+")
+                op_id = _stable_id(*parts)
+            used.add(op_id)
+            lifted.op_ids[node.name] = op_id
+            lifted.module_paths[node.name] = path
+        elif isinstance(_value(node), torch.Tensor):
+            # a tensor made by a call that is no point (a getitem of a tuple result):
+            # it stands for its producer's output in the wiring
+            producers = [values[a] for a in node.all_input_nodes if a in values]
+            if producers:
+                values[node] = producers[0]
+    return lifted
+
+
+# -- analysis ------------------------------------------------------------------------------
+
+def analyse(lifted, session):
+    """Runs the session's forward analysis routines on every op, once.
+
+    Returns:
+        ``{fx node name: OpActions}`` of the ops that carry actions.
+    """
+    backend = CompiledGraphBackend(lifted)
+    plan = {}
+    saved, controls.state.disabled = controls.state.disabled, True
+    try:
+        for op in lifted.graph.ops:
+            context = OpContext(NAMESPACE, backend.raw_op(op), lifted.op_ids[op.name], op.type,
+                                module_path=lifted.module_paths[op.name])
+            entry = _run_points(op, lifted.graph, session, backend, context,
+                                (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
+            if entry:
+                plan[op.name] = entry
+    finally:
+        controls.state.disabled = saved
+    return plan
+
+
+# -- lowering actions into the graph -------------------------------------------------------
+
+class _Routine:
+    """One recorded action, called at run time (by a custom op, or inside the
+    graph for portable routines)."""
+
+    def __init__(self, action, where):
+        self.action = action
+        self.where = where
+        self.__name__ = f"amanda_{getattr(action.func, '__name__', 'routine')}"
+
+    def __call__(self, tensors):
+        new = call_routine(self.action, list(tensors), lambda v: isinstance(v, torch.Tensor), self.where,
+                           meta=lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else None)
+        return new
+
+
+def _observe_impl(handle: int, tensors: list[torch.Tensor]) -> None:
+    routine = _ROUTINES[handle]
+    new = routine(tensors)
+    if new is not None:
+        raise BackendError(f"routine {routine.__name__} of op {routine.where[0]!r} returned tensors "
+                           "where the analysis routine ran it as an observer")
+
+
+def _replace_impl(handle: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    new = _ROUTINES[handle](tensors)
+    if new is None:
+        return [t.clone() for t in tensors]
+    return [t.clone() if v is None else v.detach().clone() for t, v in zip(tensors, new)]
+
+
+_OPS = {}
+
+
+def _custom_ops():
+    if not _OPS:
+        observe = torch.library.custom_op("amanda::observe", mutates_args=())(_observe_impl)
+        observe.register_fake(lambda handle, tensors: None)
+        torch.fx.node.has_side_effect(torch.ops.amanda.observe.default)
+        replace = torch.library.custom_op("amanda::replace", mutates_args=())(_replace_impl)
+
+        @replace.register_fake
+        def _(handle, tensors):
+            return [torch.empty_like(t) for t in tensors]
+
+        def backward(ctx, grads):
+            return None, list(grads)        # straight-through: the routine is no model code
+
+        replace.register_autograd(backward)
+        _OPS["observe"] = torch.ops.amanda.observe.default
+        _OPS["replace"] = torch.ops.amanda.replace.default
+    return _OPS
+
+
+def _portable_call(routine):
+    def call(*tensors):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and routine.action.ad):
+            given = tensors if routine.action.ad else [t.detach() for t in tensors]
+            new = routine(given)
+        if new is None:
+            return tuple(tensors)
+        return tuple(old if v is None else (v if routine.action.ad else _straight(old, v))
+                     for old, v in zip(tensors, new))
+    call.__name__ = routine.__name__
+    return call
+
+
+def _straight(old, new):
+    if not old.requires_grad:
+        return new
+    return old + (new - old).detach()
+
+
+def _emit(graph, action, selected, where, observe_only):
+    """Inserts the call of one routine at the graph's cursor; returns the nodes of
+    its results (one per selected node), or None when it only observes."""
+    from amanda.portable import is_portable
+
+    routine = _Routine(action, where)
+    if is_portable(action.func):
+        call = graph.call_function(_portable_call(routine), tuple(selected))
+        return [graph.call_function(operator.getitem, (call, i)) for i in range(len(selected))]
+    if action.ad:
+        raise BackendError(f"routine {routine.__name__} of op {where[0]!r} was recorded under "
+                           "amanda.ad_enabled(), but compiled graphs can differentiate portable "
+                           f"routines only [namespace {NAMESPACE}]")
+    ops = _custom_ops()
+    _ROUTINES.append(routine)
+    handle = len(_ROUTINES) - 1
+    if observe_only:
+        graph.call_function(ops["observe"], (handle, list(selected)))
+        return None
+    call = graph.call_function(ops["replace"], (handle, list(selected)))
+    return [graph.call_function(operator.getitem, (call, i)) for i in range(len(selected))]
+
+
+def _observes(action):
+    """Whether a Python routine only observes: every ``return`` of its code returns
+    None (read from its bytecode). Such a routine becomes ``amanda::observe``,
+    which copies nothing; any other becomes ``amanda::replace``, whose results
+    are new tensors (copies of the inputs it kept)."""
+    func = getattr(action.func, "__func__", action.func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    import dis
+    previous = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "RETURN_VALUE":
+            if previous is None or previous.opname != "LOAD_CONST" or previous.argval is not None:
+                return False
+        elif instruction.opname == "RETURN_CONST" and instruction.argval is not None:
+            return False
+        if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
+            previous = instruction
+    return True
+
+
+def _selected(values, action, where):
+    from amanda.runtime.routines import select
+    return select(values, action.positions, action, where)
+
+
+def insert_actions(gm, lifted, plan):
+    """Inserts the recorded actions into ``gm``'s graph (in place) and recompiles it."""
+    graph = gm.graph
+    for name, entry in plan.items():
+        node = lifted.nodes[name]
+        where = (entry.op.type, lifted.op_ids[name], NAMESPACE)
+        if entry.replace:
+            raise BackendError(f"replace_op on op {entry.op.type!r} (id {lifted.op_ids[name]}) is not "
+                               f"supported in compiled graphs yet [namespace {NAMESPACE}]; run the model "
+                               "with torch.compiler.set_stance('force_eager')")
+        for action in entry.before:
+            inputs = _tensor_args(node)
+            chosen = _selected(inputs, action, where)
+            with graph.inserting_before(node):
+                new = _emit(graph, action, chosen, where, _observes(action))
+            if new is not None:
+                mapping = dict(zip(chosen, new))
+                node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
+                node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
+        cursor = node
+        for action in entry.after:
+            if not isinstance(_value(node), torch.Tensor):
+                raise BackendError(f"insert_after_op on op {entry.op.type!r} (id {lifted.op_ids[name]}), "
+                                   f"which returns several tensors, is not supported in compiled graphs yet "
+                                   f"[namespace {NAMESPACE}]")
+            chosen = _selected([cursor], action, where)
+            users = [u for u in cursor.users]
+            with graph.inserting_after(cursor):
+                new = _emit(graph, action, chosen, where, _observes(action))
+            if new is not None:
+                for user in users:
+                    user.replace_input_with(cursor, new[0])
+                cursor = new[0]
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+class InstrumentingBackend:
+    """The Dynamo backend of one session: instrument, then the user's compiler.
+
+    Args:
+        session: the applied tools.
+        compiler: the user's compiler function (inductor, ``aot_eager``...).
+    """
+
+    def __init__(self, session, compiler):
+        self.session = session
+        self.compiler = compiler
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        lifted = lift_dynamo_graph(gm)
+        plan = analyse(lifted, self.session)
+        self.graphs += 1
+        if plan:
+            insert_actions(gm, lifted, plan)
+        return self.compiler(gm, example_inputs, **kwargs)
