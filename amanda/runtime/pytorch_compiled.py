@@ -59,6 +59,7 @@ NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/compiled"
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 #: False: compiled callables inside ``apply`` always run eagerly (Dynamo's
@@ -212,8 +213,9 @@ def _raw_op(node):
         raw = getattr(torch.Tensor, target, None)
         return raw, target
     if getattr(target, "__module__", None) in ("_operator", "operator"):
-        raw = getattr(torch.Tensor, f"__{target.__name__.rstrip('_')}__", None)
-        if raw is not None:
+        name = target.__name__.rstrip("_")
+        raw = getattr(torch.Tensor, name, None) or getattr(torch.Tensor, f"__{name}__", None)
+        if raw is not None:      # x + y reaches an eager run as Tensor.add: named "add"
             return raw, getattr(raw, "__name__", target.__name__)
     return target, getattr(target, "__name__", str(target))
 
@@ -249,14 +251,26 @@ def _tensor_args(node):
     return found
 
 
-def _module_path(node):
+def _module_path(node, root):
+    """(path below the compiled module, class) of the innermost module calling
+    ``node``; ``root`` is (path, class) for nodes Dynamo gives no module stack."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return None, None
+        return root
     path, cls = list(stack.values())[-1]
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)   # L['self'].layers[0] -> L.self.layers.0
     parts = path.split(".")
     return ".".join(parts[2:]), cls   # below the root (L.self / L.fn)
+
+
+def _root(gm):
+    """(path, class) of the compiled module: ("", its class), or (None, None) for a
+    compiled function (its ops are outside any module, as in eager)."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            return "", list(stack.values())[0][1]
+    return None, None
 
 
 def _site(node, cls, name):
@@ -265,9 +279,11 @@ def _site(node, cls, name):
     Dynamo records user frames only; an op inside one of torch's own layers
     (``nn.Linear.forward``) has no stack trace, so the layer's source is read
     for the first line that calls the op by name."""
+    if cls is not None and getattr(sys.modules.get(cls.__module__), "__file__", "").startswith(_LAYER_DIR):
+        return _layer_site(cls, name)      # ops of torch's own layers
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     for file, line, function in reversed(frames):
-        if file.startswith(_TORCH_DIR) and not file.startswith(_LAYER_DIR):
+        if file.startswith(_TORCH_DIR) and (file == _MODULE_FILE or not file.startswith(_LAYER_DIR)):
             continue     # torch internals Dynamo inlined (F.relu's body): the site is further up
         return _qualname(cls, file, function), int(line)
     return _layer_site(cls, name)
@@ -353,6 +369,7 @@ def lift_dynamo_graph(gm):
 
     lifted = LiftedGraph()
     values, counts, used = {}, {}, set()
+    root = _root(gm)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
@@ -366,7 +383,7 @@ def lift_dynamo_graph(gm):
             lifted.fx_nodes[node.name] = node
             lifted.nodes[node.name] = node
             lifted.raw_ops[node.name] = raw
-            path, cls = _module_path(node)
+            path, cls = _module_path(node, root)
             qualname, line = _site(node, cls, name)
             parts = [path, qualname, line, name]
             n = counts.get(tuple(parts), 0)
@@ -494,7 +511,7 @@ def _emit(graph, action, selected, where, observe_only):
     routine = _Routine(action, where)
     if is_portable(action.func):
         call = graph.call_function(_portable_call(routine), tuple(selected))
-        return [graph.call_function(operator.getitem, (call, i)) for i in range(len(selected))]
+        return _items(graph, call, len(selected))
     if action.ad:
         raise BackendError(f"routine {routine.__name__} of op {where[0]!r} was recorded under "
                            "amanda.ad_enabled(), but compiled graphs can differentiate portable "
@@ -506,7 +523,18 @@ def _emit(graph, action, selected, where, observe_only):
         graph.call_function(ops["observe"], (handle, list(selected)))
         return None
     call = graph.call_function(ops["replace"], (handle, list(selected)))
-    return [graph.call_function(operator.getitem, (call, i)) for i in range(len(selected))]
+    return _items(graph, call, len(selected))
+
+
+def _items(graph, call, count):
+    """getitem nodes reading the results of ``call``, placed right after it."""
+    items, previous = [], call
+    for i in range(count):
+        item = graph.call_function(operator.getitem, (call, i))
+        previous.append(item)
+        items.append(item)
+        previous = item
+    return items
 
 
 def _observes(action):

@@ -1,0 +1,210 @@
+"""Compiled PyTorch: tools run inside torch.compile'd graphs (amanda.runtime.pytorch_compiled)."""
+
+import collections
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import amanda  # noqa: E402
+from amanda import portable  # noqa: E402
+from amanda.runtime import pytorch_compiled  # noqa: E402
+
+
+class CountBefore(amanda.Tool):
+    """A Python routine before every forward op (or the ops named ``name``)."""
+
+    def __init__(self, name=None):
+        super().__init__()
+        self.name = name
+        self.executions = collections.Counter()
+        self.names = {}
+        self.namespaces = set()
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        self.namespaces.add(context.namespace)
+        if self.name is None or context.get_op_name() == self.name:
+            self.names[context.get_op_id()] = context.get_op_name()
+            context.insert_before_op(self.count, key=context.get_op_id())
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+class Scale(amanda.Tool):
+    """Replaces the output of every ``gelu`` by twice it (Python or portable routine)."""
+
+    def __init__(self, portable_routine):
+        super().__init__()
+        self.routine = _double if portable_routine else self.double
+        self.add_inst_for_op(self.analysis, require_outputs=True)
+
+    def analysis(self, context):
+        if context.get_op_name() == "gelu":
+            context.insert_after_op(self.routine)
+
+    def double(self, x):
+        return x * 2
+
+
+@portable.routine
+def _double(x):
+    return x * 2
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8)
+        self.fc2 = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)) + x)
+
+
+class Broken(Block):
+    def forward(self, x):
+        y = torch.nn.functional.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(y + x)
+
+
+class CompileCounter:
+    """A backend that counts the graphs it compiles, then runs them with ``inner``."""
+
+    def __init__(self, inner="eager"):
+        from torch._dynamo.backends.registry import lookup_backend
+        self.inner = lookup_backend(inner)
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _eager_counts(model, x, name=None):
+    tool = CountBefore(name)
+    with amanda.apply(tool):
+        model(x)
+    return tool
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_counts_and_outputs_equal_eager_and_vanilla(backend):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend=backend)
+    expected = compiled(x)
+    eager = _eager_counts(model, x)
+    tool = CountBefore()
+    with amanda.apply(tool):
+        out = compiled(x)
+        compiled(x)
+    assert torch.equal(out, expected)
+    assert sorted(tool.names.values()) == sorted(eager.names.values()) == ["add", "gelu", "linear", "linear"]
+    # ops of torch's layers have eager's ids; see docs/pytorch-compiled.md for the others
+    linears = {k for k, v in eager.names.items() if v == "linear"}
+    assert linears <= set(tool.names)
+    assert {k: tool.executions[k] for k in linears} == {k: 2 * eager.executions[k] for k in linears}
+    assert sum(tool.executions.values()) == 2 * sum(eager.executions.values())
+    assert tool.namespaces == {pytorch_compiled.NAMESPACE}
+
+
+def test_no_recompilation_on_reentry_and_vanilla_outside():
+    model, x = Block(), torch.randn(2, 8)
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    compiled(x)
+    assert backend.graphs == 1
+    tool = CountBefore("linear")
+    for _ in range(3):
+        with amanda.apply(tool):
+            compiled(x)
+        compiled(x)                      # outside: the vanilla compiled code
+    assert backend.graphs == 2           # one vanilla, one instrumented, each compiled once
+    assert sum(tool.executions.values()) == 6
+    with amanda.apply(CountBefore("gelu")):
+        compiled(x)
+    assert backend.graphs == 3           # other tools, their own version
+    with amanda.apply(tool):
+        with amanda.disabled():
+            compiled(x)                  # disabled: vanilla code, nothing counted, no compile
+    assert backend.graphs == 3 and sum(tool.executions.values()) == 6
+
+
+def test_graph_break():
+    model, x = Broken(), torch.randn(2, 8)
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    expected = compiled(x)
+    eager = _eager_counts(model, x)
+    tool = CountBefore()
+    with amanda.apply(tool):
+        out = compiled(x)
+    assert torch.equal(out, expected)
+    assert sorted(tool.names.values()) == sorted(eager.names.values())
+    assert sum(tool.executions.values()) == sum(eager.executions.values()) == 4
+
+
+def test_dynamic_shapes():
+    model = Block()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    tool = CountBefore("linear")
+    with amanda.apply(tool):
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, 8)
+            assert torch.equal(compiled(x), model(x)) or torch.allclose(compiled(x), model(x))
+    assert sum(tool.executions.values()) >= 6
+
+
+@pytest.mark.parametrize("portable_routine", [False, True])
+def test_replacing_routines(portable_routine):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8)
+    with amanda.apply(Scale(portable_routine)):
+        expected = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with amanda.apply(Scale(portable_routine)):
+        out = compiled(x)
+    assert torch.allclose(out, expected)
+    assert not torch.allclose(out, model(x))
+
+
+def test_backward_tools_fall_back_to_eager():
+    """Backward points are not in compiled graphs yet: such tools run the model eagerly."""
+    from tests.test_eager_trust import Counter, mlp
+    model, x = mlp(), torch.rand(2, 8)
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    eager_tool, compiled_tool = Counter(), Counter()
+
+    def step(module, tool):
+        with amanda.apply(tool):
+            module(x).sum().backward()
+    step(model, eager_tool)
+    step(compiled, compiled_tool)
+    assert compiled_tool.executions == eager_tool.executions
+    assert backend.graphs == 0
+
+
+def test_state_restored_after_apply():
+    from torch._dynamo import eval_frame
+    model, x = Block(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager")
+    original = eval_frame._callback_from_stance
+    with pytest.raises(RuntimeError):
+        with amanda.apply(CountBefore()):
+            compiled(x)
+            raise RuntimeError("tool code failed")
+    assert eval_frame._callback_from_stance is original
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert eval_frame._stance.stance == "default"
