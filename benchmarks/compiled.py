@@ -1,0 +1,116 @@
+"""Compiled PyTorch overhead: amanda inside ``torch.compile``d graphs (inductor).
+
+The workload is one inference step (``torch.no_grad``) of a model where
+inductor beats eager on CPU: linear layers between chains of pointwise ops.
+Configurations, interleaved in one process after warm-up (the instrumented
+graphs are compiled during warm-up and cached by Dynamo):
+
+* ``compiled``: the compiled model, no tool (the baseline);
+* ``portable identity``: a portable identity routine before every forward op;
+* ``python count``: a Python routine counting the calls of every ``linear``;
+* ``after apply``: the compiled model, no tool, after tools' scopes were left;
+* ``eager``: the uncompiled model (the instrumented compiled step must beat it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import amanda
+from amanda import portable
+from benchmarks import harness
+
+NAME = "compiled"
+BASELINE = "compiled"
+TARGETS = {"portable identity": 1.15, "python count": 1.3, "after apply": 1.05}
+
+
+@portable.routine
+def _identity(*tensors):
+    return None
+
+
+class PortableIdentity(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(lambda c: c.insert_before_op(_identity))
+
+
+class CountLinear(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        if context.get_op_name() == "linear":
+            context.insert_before_op(self.bump)
+
+    def bump(self, *tensors):
+        self.count += 1
+
+
+class PointwiseMLP(torch.nn.Module):
+    """Linear layers between chains of pointwise ops (inductor fuses the chains)."""
+
+    def __init__(self, width=256, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            x = torch.nn.functional.gelu(x) * torch.sigmoid(x) + torch.tanh(x) * 0.5 - x.abs() * 0.1
+        return x
+
+
+def run(repeats=None, quick=False, log=print):
+    torch.manual_seed(0)
+    model = PointwiseMLP().eval()
+    x = torch.randn(64, 256)
+    compiled = torch.compile(model)
+    target = {"module": compiled}
+    identity, count = PortableIdentity(), CountLinear()
+
+    def using(module, tool=None):
+        @contextlib.contextmanager
+        def scope():
+            target["module"] = module
+            with amanda.apply(tool) if tool is not None else contextlib.nullcontext():
+                yield
+        return scope
+
+    configs = [harness.Config("compiled", using(compiled)),
+               harness.Config("portable identity", using(compiled, identity)),
+               harness.Config("python count", using(compiled, count)),
+               harness.Config("after apply", using(compiled)),
+               harness.Config("eager", using(model))]
+
+    def step():
+        with torch.no_grad():
+            for _ in range(5):
+                target["module"](x)
+
+    repeats = repeats or (3 if quick else 15)
+    times, failures = harness.interleaved_times(step, configs, repeats, warmup=1 if quick else 2)
+    summary = harness.summarize(times, BASELINE)
+    with torch.no_grad():
+        count.count = 0
+        with amanda.apply(count):
+            compiled(x)
+        compiled_count = count.count
+        eager_tool = CountLinear()
+        with amanda.apply(eager_tool):
+            model(x)
+    raw = {"suite": NAME, "machine": harness.machine_info(), "configs": summary, "failures": failures,
+           "targets": TARGETS, "count_compiled": compiled_count, "count_eager": eager_tool.count}
+    lines = ["| config | median ms / 5 steps | ratio to compiled | target |", "| --- | --- | --- | --- |"]
+    for name, stats in summary.items():
+        target_cell = f"≤ {TARGETS[name]}×" if name in TARGETS else ""
+        lines.append(f"| {name} | {stats['median_s'] * 1e3:.2f} | {stats['ratio']:.2f}× | {target_cell} |")
+    lines.append("")
+    lines.append(f"linear count per step: compiled {compiled_count}, eager {eager_tool.count}")
+    markdown = "## Compiled PyTorch (inductor)\n\n" + "\n".join(lines) + "\n"
+    return markdown, raw
