@@ -67,6 +67,15 @@ class PointwiseMLP(torch.nn.Module):
 
 
 def run(repeats=None, quick=False, log=print):
+    from amanda.runtime import pytorch_compiled
+    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True   # the opt-in path
+    try:
+        return _run(repeats, quick, log)
+    finally:
+        pytorch_compiled.ENABLED = saved
+
+
+def _run(repeats=None, quick=False, log=print):
     torch.manual_seed(0)
     model = PointwiseMLP().eval()
     x = torch.randn(64, 256)

@@ -11,6 +11,14 @@ from amanda import portable  # noqa: E402
 from amanda.runtime import pytorch_compiled  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def compiled_path():
+    """These tests are about the opt-in compiled path."""
+    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
+    yield
+    pytorch_compiled.ENABLED = saved
+
+
 class CountBefore(amanda.Tool):
     """A Python routine before every forward op (or the ops named ``name``)."""
 
@@ -208,3 +216,30 @@ def test_state_restored_after_apply():
     assert not torch.overrides._get_current_function_mode_stack()
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert eval_frame._stance.stance == "default"
+
+
+class BreakOnNonzero(torch.nn.Module):
+    """``torch.nonzero`` has a data-dependent output shape: Dynamo breaks the
+    graph there and runs it outside any graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return h + torch.nonzero(h > 0.1).shape[0]
+
+
+def test_by_default_a_compiled_model_has_exactly_the_points_of_eager():
+    pytorch_compiled.ENABLED = False      # the default (the fixture restores it)
+    torch.manual_seed(0)
+    model, x = BreakOnNonzero(), torch.rand(2, 4)
+    counts = []
+    for module in (model, torch.compile(model, backend="eager")):
+        tool = CountBefore()
+        with torch.no_grad(), amanda.apply(tool):
+            module(x)
+            module(x)
+        counts.append(collections.Counter(tool.names[k] for k in tool.executions.elements()))
+    assert counts[0] == counts[1] and counts[0]["nonzero"] == 2
