@@ -636,7 +636,8 @@ def map_gradients(graph):
     * ``tf.gradients``: ops under ``[<scope>/]gradients[_<k>]/`` (a root that
       holds a ``grad_ys_<n>`` seed or at least one ``<op>_grad`` scope) are
       gradient ops; the owner is the op named by the ``<op>_grad`` scope
-      (`forward_op_of`), None for seeds and ``AddN`` aggregations.
+      (`forward_op_of`), None for seeds and (until the last rule) ``AddN``
+      aggregations.
     * ``GradientTape``: ops under ``gradient_tape/`` are gradient ops. TF names
       them ``gradient_tape/<name scope the forward op ran in>/...``, so the
       candidates are the forward ops named like a prefix of that path or lying
@@ -659,6 +660,9 @@ def map_gradients(graph):
     * A gradient op that its owner reads (the accumulators control flow v2
       adds as inputs of a forward ``While``) gets no owner: it runs before
       the forward op.
+    * Plumbing left without an owner (``AddN`` aggregations, shape
+      arithmetic from constants, dead ops) gets one where data flow or
+      creation order is unambiguous: `_owners_from_readers`.
 
     Returns:
         The names of the gradient ops without owner, also stored in
@@ -666,6 +670,7 @@ def map_gradients(graph):
     """
     owners = gradient_owners(graph)
     _disown_forward_feeders(graph, owners)
+    _owners_from_readers(graph, owners)
     unowned = []
     for op in graph:
         if op.name in owners:
@@ -699,6 +704,121 @@ def _disown_forward_feeders(graph, owners):
                 continue
             owners[op.name] = None
             pending.extend(t.producer for t in op.inputs if t.producer is not None)
+
+
+def _inside_a_gradient_function(name):
+    """Whether ``name`` lies in the scope of one gradient function.
+
+    ``gradient_tape/<scope>/...`` or ``[...]gradients[_<k>]/.../<op>_grad/...``;
+    seeds (``ones``, ``gradients/grad_ys_0``, ``gradients/Fill``) do not.
+    """
+    comps = name.split("/")
+    if comps[0] == _TAPE_ROOT:
+        return len(comps) > 2
+    return any(_GRAD_ROOT.match(c) for c in comps) and any(_GRAD_SCOPE.match(c) for c in comps[:-1])
+
+
+def _owners_from_readers(graph, owners):
+    """Gives an owner to gradient plumbing the name and type rules left without.
+
+    Two kinds of gradient op have a sound owner from their readers alone:
+
+    * Shape arithmetic computed from constants only (``Const`` shapes TF
+      folded, ``Maximum``, ``FloorDiv`` of them). It carries no gradient,
+      so it is not a hand-off between two gradient functions: a gradient
+      function sees only its op and the incoming gradients, so it is read
+      by the function that built it. When all its readers are gradient ops
+      of one forward op, that is its owner.
+    * ``AddN`` summing the gradients of a forward tensor ``t`` read by
+      several ops. Only the gradient function of ``t``'s producer receives
+      the sum, and those of ops whose gradient passes ``t``'s through
+      (``BiasAdd``, ``Identity``), which come before that producer in
+      forward order. Its owner is the last of its readers' owners.
+
+    A gradient op that reads another gradient function's result is not
+    owned by this rule: its readers may be the next function's (the last op
+    of one gradient function hands its result to the next one), so data
+    flow alone cannot tell. Ops are visited readers first, so chains of
+    constant arithmetic resolve in one sweep. Seeds (the gradient of the
+    loss) and ops a forward op reads (`_disown_forward_feeders`) are never
+    owned this way. Dead ops are left to `_owners_of_dead_ops`.
+    """
+    ops = list(graph)
+    order = {op.name: i for i, op in enumerate(ops)}
+    constant = set()  # gradient-scope ops computed from constants of gradient scopes only (not seeds)
+    for op in ops:
+        if (_inside_a_gradient_function(op.name) and not op.control_inputs
+                and all(t.producer is not None and t.producer.name in constant for t in op.inputs)):
+            constant.add(op.name)
+    for op in reversed(ops):
+        if not _unowned_plumbing(op, owners) or (op.type != "AddN" and op.name not in constant):
+            continue
+        readers = _readers(op)
+        if not readers or any(r.name not in owners for r in readers):
+            continue
+        found = {owners[r.name] for r in readers}
+        if None in found:
+            continue
+        if op.type == "AddN":
+            owners[op.name] = max(found, key=order.get)
+        elif len(found) == 1:
+            owners[op.name] = found.pop()
+    _owners_of_dead_ops(ops, owners)
+
+
+def _readers(op):
+    return list(op.users) + list(op.control_users)
+
+
+def _unowned_plumbing(op, owners):
+    if owners.get(op.name, 0) is not None:
+        return False  # a forward op (absent), or owned already
+    return op.type == "AddN" or _inside_a_gradient_function(op.name)
+
+
+def _owners_of_dead_ops(ops, owners):
+    """Dead gradient ops take the owner of the next owned op of their scope.
+
+    A gradient function often builds shape arithmetic (``Shape`` folded to
+    a ``Const``, ``Maximum``, ``FloorDiv``) and then uses its static value
+    instead, leaving ops nothing reads. They have no data edge to go by;
+    TF creates one gradient function's ops one after the other, and such
+    shape work comes first in it, so a dead op belongs to the gradient
+    function of the next op created in the same name scope that has an
+    owner. Only ops inside a gradient function's scope are owned so.
+    """
+    live = set()
+    dead = []
+    for op in reversed(ops):
+        readers = list(op.users) + list(op.control_users)
+        if any(t.is_graph_output for t in op.outputs) or any(r.name in live for r in readers):
+            live.add(op.name)
+        elif op.name in owners and not _is_seed_or_forward(op, owners):
+            dead.append(op)
+        else:
+            live.add(op.name)
+    if not dead:
+        return
+    dead_names = {op.name for op in dead}
+    following, preceding = {}, {}  # scope -> owner of the next / last owned op
+    for op in ops:
+        if op.name not in dead_names and owners.get(op.name) is not None:
+            preceding[op.name.rpartition("/")[0]] = owners[op.name]
+    for op in reversed(ops):
+        scope = op.name.rpartition("/")[0]
+        if op.name in dead_names:
+            owner = None
+            while owner is None and scope.count("/") >= 2:  # gradient_tape/<model>/<layer> at most
+                owner = following.get(scope, preceding.get(scope))
+                scope = scope.rpartition("/")[0]
+            if owners[op.name] is None:
+                owners[op.name] = owner
+        elif owners.get(op.name) is not None:
+            following[scope] = owners[op.name]
+
+
+def _is_seed_or_forward(op, owners):
+    return op.name not in owners or not (op.type == "AddN" or _inside_a_gradient_function(op.name))
 
 
 class _GradientMapper:
