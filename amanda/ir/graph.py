@@ -1,20 +1,22 @@
-"""The `Graph`: an ordered list of ops over SSA tensors, with an insertion cursor."""
+"""The `Graph`: ops in program order over SSA tensors, with an insertion cursor."""
 
 import contextlib
 
 from ._core import Op, Tensor, _check_tensor_of
 from ._names import NameTable
+from ._order import OpOrder
 from .errors import IRError
 
 
 class Graph:
     """A dataflow graph of `Op` nodes connected by `Tensor` values.
 
-    Ops are kept in a list that is expected to be topological: `verify` checks that
-    each tensor is defined before it is used. Iterating over a graph walks a
-    snapshot of that list, so ops may be inserted or removed while iterating: ops
-    inserted during the walk are not visited, and ops removed before the walk
-    reaches them are skipped.
+    Ops are kept in an order that is expected to be topological: `verify` checks
+    that each tensor is defined before it is used. The order is a linked list, so
+    creating an op at the cursor and removing an op cost O(1) wherever they happen.
+    Iterating over a graph walks a snapshot of the order, so ops may be inserted or
+    removed while iterating: ops inserted during the walk are not visited, and ops
+    removed before the walk reaches them are skipped.
 
     Attributes:
         name: The graph's name (not part of its structural hash).
@@ -28,7 +30,7 @@ class Graph:
         "attrs",
         "_inputs",
         "_outputs",
-        "_ops",
+        "_order",
         "_op_names",
         "_tensor_names",
         "_cursor",
@@ -48,7 +50,7 @@ class Graph:
         self.attrs = {} if attrs is None else attrs
         self._inputs = ()
         self._outputs = ()
-        self._ops = []
+        self._order = OpOrder()
         self._op_names = NameTable()
         self._tensor_names = NameTable()
         self._cursor = None  # None appends; else an _InsertionPoint
@@ -68,15 +70,39 @@ class Graph:
     @property
     def ops(self):
         """A new list of the ops in order; editing the list does not edit the graph."""
-        return list(self._ops)
+        return list(self._order)
+
+    @property
+    def _ops(self):
+        # Read-only view kept for code written against the former list field;
+        # use `ops` or iterate over the graph instead.
+        return tuple(self._order)
+
+    def prev_op(self, op):
+        """Returns the op just before ``op`` in order, or None if ``op`` is first.
+
+        Raises:
+            IRError: ``op`` is not in this graph's op order.
+        """
+        self._check_ordered(op)
+        return self._order.prev_of(op)
+
+    def next_op(self, op):
+        """Returns the op just after ``op`` in order, or None if ``op`` is last.
+
+        Raises:
+            IRError: ``op`` is not in this graph's op order.
+        """
+        self._check_ordered(op)
+        return self._order.next_of(op)
 
     def __iter__(self):
-        for op in tuple(self._ops):
+        for op in tuple(self._order):
             if op._graph is self:
                 yield op
 
     def __len__(self):
-        return len(self._ops)
+        return len(self._order)
 
     def __bool__(self):
         # A graph with no ops is still a graph: keep ``graph or default`` and
@@ -169,14 +195,14 @@ class Graph:
         """
         inputs, control_inputs = tuple(inputs), tuple(control_inputs)
         self._check_new_op(type, inputs, num_outputs, control_inputs, name, output_names)
-        index = self._insertion_index()  # may refuse, so before anything changes
+        self._check_cursor()  # may refuse, so before anything changes
         op = Op(self, type, self.namespace if namespace is None else namespace, {} if attrs is None else attrs, None)
         op._name = self._op_names.claim(op, type if name is None else name)
         names = [None] * num_outputs if output_names is None else list(output_names)
         op._outputs = tuple(self._new_tensor(op, i, names[i], {}) for i in range(num_outputs))
         op._attach_inputs(inputs)
         op._attach_control_inputs(control_inputs)
-        self._insert(index, op)
+        self._insert(op)
         return op
 
     @contextlib.contextmanager
@@ -228,7 +254,7 @@ class Graph:
         self._check_removable(op)
         op._drop_input_uses()
         op._drop_control_inputs()
-        self._ops.remove(op)
+        self._order.remove(op)
         self._op_names.release(op._name, op)
         for tensor in op._outputs:
             self._tensor_names.release(tensor._name, tensor)
@@ -307,7 +333,7 @@ class Graph:
         return format_graph(self)
 
     def __repr__(self):
-        return f"<Graph {self.name!r}: {len(self._inputs)} inputs, {len(self._ops)} ops, {len(self._outputs)} outputs>"
+        return f"<Graph {self.name!r}: {len(self._inputs)} inputs, {len(self._order)} ops, {len(self._outputs)} outputs>"
 
     # -- internals -------------------------------------------------------------
 
@@ -337,19 +363,24 @@ class Graph:
             if not isinstance(op, Op) or op._graph is not self:
                 raise IRError(f"control input {op!r} of new {op_type!r} op is not an op of this graph")
 
-    def _insertion_index(self):
+    def _check_cursor(self):
+        cursor = self._cursor
+        if cursor is not None and cursor.anchor._graph is not self:
+            raise IRError(f"insertion point op {cursor.anchor.name!r} is no longer in graph {self.name!r}")
+
+    def _insert(self, op):
         cursor = self._cursor
         if cursor is None:
-            return len(self._ops)
-        anchor = cursor.anchor
-        if anchor._graph is not self:
-            raise IRError(f"insertion point op {anchor.name!r} is no longer in graph {self.name!r}")
-        return self._ops.index(anchor) + (1 if cursor.after else 0)
+            self._order.append(op)
+        elif cursor.after:
+            self._order.insert_after(cursor.anchor, op)
+            cursor.anchor = op  # the next op goes after this one, keeping order
+        else:
+            self._order.insert_before(cursor.anchor, op)
 
-    def _insert(self, index, op):
-        self._ops.insert(index, op)
-        if self._cursor is not None and self._cursor.after:
-            self._cursor.anchor = op  # the next op goes after this one, keeping order
+    def _check_ordered(self, op):
+        if not isinstance(op, Op) or op not in self._order:
+            raise IRError(f"{op!r} is not an op of graph {self.name!r}")
 
     @contextlib.contextmanager
     def _moved_cursor(self, op, after):

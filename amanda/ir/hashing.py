@@ -42,14 +42,14 @@ def structural_hash(graph):
 
 def describe_structure(graph):
     """Returns the name-free JSON-able description that `structural_hash` digests."""
-    positions = {op: i for i, op in enumerate(graph._ops)}
+    positions = {op: i for i, op in enumerate(graph.ops)}
     try:
         return {
             "format": _HASH_FORMAT,
             "namespace": graph.namespace,
             "attrs": _attrs(graph.attrs),
             "inputs": [_attrs(t.attrs) for t in graph.inputs],
-            "ops": [_describe_op(op, positions) for op in graph._ops],
+            "ops": [_describe_op(op, positions) for op in graph.ops],
             "outputs": [_reference(t, positions) for t in graph.outputs],
         }
     except KeyError as missing:

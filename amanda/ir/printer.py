@@ -13,6 +13,7 @@ text survives a JSON round trip.
 import re
 
 from .attrs import iter_graphs
+from .errors import IRError
 from .graph import Graph
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:/\-]+\Z")
@@ -74,18 +75,30 @@ def format_window(graph, focus, radius=2):
     Returns:
         A few lines of text, or "" if ``focus`` is not in the op list.
     """
-    ops = graph._ops
-    position = next((i for i, op in enumerate(ops) if op is focus), None)
-    if position is None:
+    try:
+        before = _walk(graph.prev_op, focus, radius + 1)
+        after = _walk(graph.next_op, focus, radius + 1)
+    except IRError:  # focus is not in the op order
         return ""
-    start, stop = max(0, position - radius), min(len(ops), position + radius + 1)
-    lines = ["    ..."] if start > 0 else []
-    for i in range(start, stop):
-        marker = ">>> " if i == position else "    "
-        lines.append(marker + format_op(ops[i], with_name=True))
-    if stop < len(ops):
+    # One op more than shown on each side tells whether to print "...".
+    lines = ["    ..."] if len(before) > radius else []
+    lines += ["    " + format_op(op, with_name=True) for op in reversed(before[:radius])]
+    lines.append(">>> " + format_op(focus, with_name=True))
+    lines += ["    " + format_op(op, with_name=True) for op in after[:radius]]
+    if len(after) > radius:
         lines.append("    ...")
     return "\n".join(lines)
+
+
+def _walk(step, op, count):
+    """Up to ``count`` ops reached from ``op`` by repeating ``step``, nearest first."""
+    found = []
+    while len(found) < count:
+        op = step(op)
+        if op is None:
+            break
+        found.append(op)
+    return found
 
 
 def _graph_lines(graph, indent, label):
@@ -97,7 +110,7 @@ def _graph_lines(graph, indent, label):
         header += " " + format_attr_value(graph.attrs)
     lines = [header + " {"]
     body_indent = indent + _INDENT
-    for op in graph._ops:
+    for op in graph.ops:
         lines.append(body_indent + format_op(op, with_name=True))
         for path, subgraph in iter_graphs(op.attrs):
             lines.extend(_graph_lines(subgraph, body_indent + _INDENT, f"{path} = "))

@@ -51,7 +51,7 @@ def graph_to_json(graph):
         "namespace": graph.namespace,
         "attrs": _encode(graph.attrs),
         "inputs": [_encode_tensor(t) for t in graph.inputs],
-        "ops": [_encode_op(op) for op in graph._ops],
+        "ops": [_encode_op(op) for op in graph.ops],
         "outputs": [t.name for t in graph.outputs],
     }
 
@@ -90,7 +90,7 @@ def copy_graph(graph):
     """
     new = Graph(graph.name, graph.namespace, copy_attrs(graph.attrs))
     tensors = {t: new._add_input(t.name, copy_attrs(t.attrs)) for t in graph.inputs}
-    ops = {op: _copy_op_unwired(new, op, tensors) for op in graph._ops}
+    ops = {op: _copy_op_unwired(new, op, tensors) for op in graph.ops}
     try:
         for op, clone in ops.items():
             clone.set_inputs([tensors[t] for t in op.inputs])
@@ -140,8 +140,8 @@ def _encode_op(op):
 
 
 def _check_unique_names(graph):
-    tensor_names = [t.name for t in graph.inputs] + [t.name for op in graph._ops for t in op.outputs]
-    for kind, names in (("tensor", tensor_names), ("op", [op.name for op in graph._ops])):
+    tensor_names = [t.name for t in graph.inputs] + [t.name for op in graph.ops for t in op.outputs]
+    for kind, names in (("tensor", tensor_names), ("op", [op.name for op in graph.ops])):
         duplicate = _first_duplicate(names)
         if duplicate is not None:
             raise IRError(f"cannot serialize graph {graph.name!r}: two {kind}s are named {duplicate!r}")

@@ -19,10 +19,10 @@ def verify_graph(graph):
     Raises:
         VerificationError: The first broken invariant found.
     """
-    positions = {op: i for i, op in enumerate(graph._ops)}
+    positions = {op: i for i, op in enumerate(graph.ops)}
     _check_inputs(graph)
     _check_unique_names(graph)
-    for op in graph._ops:
+    for op in graph.ops:
         _check_op(graph, op, positions)
     _check_outputs(graph, positions)
     # Reverse links last: a stale use usually follows from a bad forward link,
@@ -56,7 +56,7 @@ def _check_unique_names(graph):
         if other is not tensor:
             _fail(graph, f"two tensors are named {tensor.name!r}", tensor.producer or other.producer)
     ops = {}
-    for op in graph._ops:
+    for op in graph.ops:
         other = ops.setdefault(op.name, op)
         if other is not op:
             _fail(graph, f"two ops are named {op.name!r}", op)
@@ -112,7 +112,7 @@ def _check_reverse_links(graph, positions):
             if user not in positions or not _reads(user, position, tensor):
                 where = f"op {user.name!r} input {position}"
                 _fail(graph, f"{format_tensor_ref(tensor)} records a use by {where}, which reads something else", user)
-    for op in graph._ops:
+    for op in graph.ops:
         for user in op.control_users:
             if user not in positions or op not in user.control_inputs:
                 _fail(graph, f"lists control user {user.name!r}, which does not list it as a control input", op)
@@ -132,7 +132,7 @@ def _check_outputs(graph, positions):
 
 
 def _check_nested(graph):
-    sources = [("graph attrs", None, graph.attrs)] + [(f"op {op.name!r}", op, op.attrs) for op in graph._ops]
+    sources = [("graph attrs", None, graph.attrs)] + [(f"op {op.name!r}", op, op.attrs) for op in graph.ops]
     for owner, op, attrs in sources:
         for path, subgraph in iter_graphs(attrs):
             if subgraph is graph:
@@ -146,5 +146,5 @@ def _check_nested(graph):
 
 def _defined_tensors(graph):
     yield from graph.inputs
-    for op in graph._ops:
+    for op in graph.ops:
         yield from op.outputs

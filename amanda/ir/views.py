@@ -35,9 +35,9 @@ def to_networkx(graph, control_edges=False):
         inputs=[t.name for t in graph.inputs],
         outputs=[t.name for t in graph.outputs],
     )
-    for op in graph._ops:
+    for op in graph.ops:
         view.add_node(op.name, type=op.type, namespace=op.namespace, attrs=dict(op.attrs))
-    for op in graph._ops:
+    for op in graph.ops:
         for position, tensor in enumerate(op.inputs):
             if tensor.producer is not None:
                 view.add_edge(
@@ -70,7 +70,7 @@ def to_dot(graph):
     lines = [f"digraph {_quote(graph.name)} {{", "  rankdir=TB;"]
     for tensor in graph.inputs:
         lines.append(f"  {_quote('input:' + tensor.name)} [shape=ellipse, label={_quote('%' + tensor.name)}];")
-    for op in graph._ops:
+    for op in graph.ops:
         lines.append(f"  {_quote('op:' + op.name)} [shape=box, label={_quote(_op_label(op))}];")
     for i, tensor in enumerate(graph.outputs):
         lines.append(f"  {_quote(f'output:{i}')} [shape=ellipse, label={_quote('return %' + tensor.name)}];")
@@ -80,7 +80,7 @@ def to_dot(graph):
 
 
 def _dot_edges(graph):
-    for op in graph._ops:
+    for op in graph.ops:
         for position, tensor in enumerate(op.inputs):
             label = _quote(f"%{tensor.name} @{position}")
             yield f"  {_source_id(tensor)} -> {_quote('op:' + op.name)} [label={label}];"

@@ -786,5 +786,5 @@ def inline_graph(graph, template, inputs):
 
 
 def _position_key(graph):
-    positions = {op: i for i, op in enumerate(graph._ops)}
+    positions = {op: i for i, op in enumerate(graph.ops)}
     return lambda op: positions[op]
