@@ -52,6 +52,10 @@ class Action:
 
 _NOT_AVAILABLE = object()
 
+# Names accepted by OpContext._set_values -> the slot each one fills.
+_VALUE_SLOTS = {"inputs": "_inputs", "outputs": "_outputs",
+                "grad_outputs": "_grad_outputs", "grad_inputs": "_grad_inputs"}
+
 
 class OpContext(dict):
     """Context of one op (or one backward op) for analysis routines.
@@ -153,6 +157,37 @@ class OpContext(dict):
     def get_graph(self):
         """The amanda IR graph the op belongs to, where one is being traced."""
         return self._graph
+
+    # -- backend side -------------------------------------------------------
+    # Frontends, passes and runtimes fill a context through these methods rather
+    # than by writing its slots, so the slots can change without touching them.
+
+    def _set_values(self, **values):
+        """Sets what ``get_inputs()`` & co. return (backends only).
+
+        Args:
+            **values: any of ``inputs``, ``outputs``, ``grad_outputs`` and
+                ``grad_inputs``; None hides values the routines may no longer
+                use (the context outlives the point it was made for).
+
+        Raises:
+            TypeError: an unknown name.
+        """
+        for name, value in values.items():
+            slot = _VALUE_SLOTS.get(name)
+            if slot is None:
+                raise TypeError(f"OpContext has no values named {name!r}; "
+                                f"expected one of {', '.join(_VALUE_SLOTS)}")
+            setattr(self, slot, value)
+
+    def _forget_values(self):
+        """Drops every tensor the context holds, so it keeps none alive."""
+        self._inputs = self._outputs = None
+        self._grad_outputs = self._grad_inputs = None
+
+    def _set_ir(self, op, graph):
+        """Records the IR op and graph the context is about (backends only)."""
+        self._ir_op, self._graph = op, graph
 
     def _available(self, slot, what):
         value = getattr(self, slot)

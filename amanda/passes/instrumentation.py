@@ -114,7 +114,7 @@ def run_instrumentation_pass(graph, session, backend, plan=None):
 def _analyse_forward(op, graph, session, backend):
     context = OpContext(backend.namespace, backend.raw_op(op), op.name, op.type)
     return _run_points(op, graph, session, backend, context,
-                       (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
+                       (FORWARD_BEFORE, FORWARD_AFTER), ("inputs", "outputs"))
 
 
 def _analyse_backward(op, graph, session, backend, plan):
@@ -129,20 +129,24 @@ def _analyse_backward(op, graph, session, backend, plan):
         context = OpContext(backend.namespace, None, None, None,
                             backward_op=backend.raw_op(op), backward_op_id=op.name)
     return _run_points(op, graph, session, backend, context,
-                       (BACKWARD_BEFORE, BACKWARD_AFTER), ("_grad_outputs", "_grad_inputs"))
+                       (BACKWARD_BEFORE, BACKWARD_AFTER), ("grad_outputs", "grad_inputs"))
 
 
 def _run_points(op, graph, session, backend, context, points, slots):
     """Run the routines of the op's before and after points: the op's inputs
-    are visible at both, its outputs at the after point only."""
-    (before, after), (input_slot, output_slot) = points, slots
-    context._ir_op, context._graph = op, graph
+    are visible at both, its outputs at the after point only.
+
+    ``slots`` names the context values the op's inputs and outputs fill, e.g.
+    ``("inputs", "outputs")`` (a leading underscore, as in ``"_inputs"``, is
+    accepted too)."""
+    (before, after), (input_name, output_name) = points, (s.lstrip("_") for s in slots)
+    context._set_ir(op, graph)
     if session.routines[before]:
-        setattr(context, input_slot, backend.values(op.inputs))
+        context._set_values(**{input_name: backend.values(op.inputs)})
         session.analyse(before, context)
     if session.routines[after]:
-        setattr(context, input_slot, backend.values(op.inputs))
-        setattr(context, output_slot, backend.values(op.outputs))
+        context._set_values(**{input_name: backend.values(op.inputs),
+                               output_name: backend.values(op.outputs)})
         session.analyse(after, context)
     entry = OpActions(op, context)
     _absorb(entry, context)
@@ -152,5 +156,4 @@ def _run_points(op, graph, session, backend, context, points, slots):
 def _absorb(entry, context):
     take_actions(context, entry)
     # Tensors of the analysis are not kept: contexts live as long as the plan.
-    context._inputs = context._outputs = None
-    context._grad_outputs = context._grad_inputs = None
+    context._forget_values()

@@ -926,14 +926,14 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     trace = cache.trace
     if not record.pre_done:
         context = record.get_context()
-        context._inputs = tensors
+        context._set_values(inputs=tensors)
         context._recomputation = _in_backward() != -1
         if trace is not None:
             context._graph = trace.graph
         try:
             _analyse(session, FORWARD_BEFORE, context, record)
         finally:
-            context._inputs = None
+            context._set_values(inputs=None)
         record.pre_done = True
     if record.before and _apply_actions(record.before, tensors, where):
         args, kwargs = _rebuild(args, kwargs, slots, tensors)
@@ -962,13 +962,13 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     ir_op = trace.forward(record, func, args, kwargs, tensors, outputs, nodes) if trace else None
     if not record.post_done:
         context = record.get_context()
-        context._inputs, context._outputs = tensors, outputs
+        context._set_values(inputs=tensors, outputs=outputs)
         if trace is not None:
             context._graph, context._ir_op = trace.graph, ir_op
         try:
             _analyse(session, FORWARD_AFTER, context, record)
         finally:
-            context._inputs = context._outputs = None
+            context._set_values(inputs=None, outputs=None)
         record.post_done = True
     if record.after and _apply_actions(record.after, outputs, where):
         if result is None:
