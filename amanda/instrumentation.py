@@ -65,9 +65,11 @@ def instrument(program, *tools):
 def instrument_ir(graph, session):
     """``amanda.instrument`` for an :class:`amanda.ir.Graph`."""
     from amanda.ir import Graph
-    from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
-    from amanda.passes.lower_actions import lower_actions
+    from amanda.passes.instrumentation import GraphBackend, InstrumentationPass
+    from amanda.passes.lower_actions import LowerActionsPass
+    from amanda.passes.manager import PassManager
     if not isinstance(graph, Graph):
         raise BackendError(f"amanda.instrument cannot instrument a {type(graph).__name__}")
-    plan = run_instrumentation_pass(graph, session, GraphBackend(graph.namespace))
-    return lower_actions(graph, plan)
+    analyse = InstrumentationPass(session, GraphBackend(graph.namespace))
+    manager = PassManager([analyse, LowerActionsPass(analyse)], name="amanda.instrument")
+    return manager(graph).graph

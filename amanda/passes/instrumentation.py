@@ -16,6 +16,7 @@ no forward op, whose ``get_op()`` is then None).
 from __future__ import annotations
 
 from amanda.context import OpContext, take_actions
+from amanda.passes.manager import PassResult
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
 
 
@@ -109,6 +110,31 @@ def run_instrumentation_pass(graph, session, backend, plan=None):
     for op in backward:
         result.ops[op.name] = _analyse_backward(op, graph, session, backend, result)
     return result
+
+
+class InstrumentationPass:
+    """`run_instrumentation_pass` under the pass contract (`amanda.passes.manager`).
+
+    The pass only analyses: it returns ``PassResult(graph, modified=False)`` and
+    keeps the plan in `plan`, where `LowerActionsPass` finds it. Run again (on a
+    grown graph), it reuses its last plan for the ops analysed already.
+
+    Args:
+        session: the applied tools (:class:`amanda.tool.Session`).
+        backend: a :class:`GraphBackend`.
+        plan: an earlier plan to start from, as for `run_instrumentation_pass`.
+    """
+
+    name = "instrument"
+
+    def __init__(self, session, backend, plan=None):
+        self.session = session
+        self.backend = backend
+        self.plan = plan
+
+    def __call__(self, graph):
+        self.plan = run_instrumentation_pass(graph, self.session, self.backend, plan=self.plan)
+        return PassResult(graph, False)
 
 
 def _analyse_forward(op, graph, session, backend):

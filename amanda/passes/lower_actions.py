@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from amanda.context import AFTER_OP, BEFORE_OP, REPLACE_OP
 from amanda.errors import ToolError, describe
+from amanda.passes.manager import PassResult
 
 ROUTINE = "amanda.routine"
 
@@ -54,6 +55,30 @@ def lower_actions(graph, plan):
         for action in reversed(entry.after):
             _lower_after(result, op, action, owned)
     return result
+
+
+class LowerActionsPass:
+    """`lower_actions` under the pass contract (`amanda.passes.manager`).
+
+    Args:
+        plan: the :class:`~amanda.passes.instrumentation.InstrumentationPlan` to
+            lower, or the `InstrumentationPass` that makes it (its plan is read
+            when this pass runs, so both can be queued in one manager).
+
+    The result's graph is always a new graph (the input is left untouched, as
+    `lower_actions` does); ``modified`` says whether any op carried actions.
+    """
+
+    name = "lower_actions"
+
+    def __init__(self, plan):
+        self.source = plan
+
+    def __call__(self, graph):
+        plan = getattr(self.source, "plan", self.source)
+        if plan is None:
+            raise ValueError("lower_actions has no plan: run the instrumentation pass first")
+        return PassResult(lower_actions(graph, plan), bool(plan.actions()))
 
 
 def _backward_ops_by_owner(graph):

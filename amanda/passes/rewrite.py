@@ -34,450 +34,34 @@ pytorch #159613). Iterations repeat until one finds nothing or
 pattern (times 2 per commutative op tried both ways), so one iteration is
 linear in the graph: there is no search over subsets of matches
 (the blowup of pytorch #97817).
+
+The code is split in three modules: `rewrite_patterns` (`Pattern`, ``op``,
+`constraint`), `rewrite_matching` (`Match`, `match_at`, `find_matches`) and this
+one (`explain`, `Rule`, `apply_rules`, `RewritePass`); import every name from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from amanda.errors import AmandaError
 from amanda.ir import Graph, Op, Tensor
+from amanda.passes.manager import PassResult
+# The module was split in three; every name it had stays importable from here.
+from amanda.passes.rewrite_matching import Match, MatchFailure, find_matches, match_at  # noqa: F401
+from amanda.passes.rewrite_patterns import (  # noqa: F401
+    ANY,
+    EXTRA_INPUTS,
+    Pattern,
+    PatternOps,
+    RewriteError,
+    constraint,
+    op,
+)
 
 __all__ = [
     "ANY", "Explanation", "Match", "MatchFailure", "Pattern", "RewriteError", "RewriteResult",
-    "Rule", "apply_rules", "explain", "find_matches", "match_at",
+    "RewritePass", "Rule", "apply_rules", "explain", "find_matches", "match_at",
 ]
-
-
-class RewriteError(AmandaError):
-    """A pattern or rule is malformed, or a replacement is inconsistent."""
-
-
-class _Any:
-    def __repr__(self):
-        return "ANY"
-
-
-#: An attr value in a pattern op that matches any value (or no value).
-ANY = _Any()
-
-# Pattern-op attr keys that configure matching rather than being compared.
-EXTRA_INPUTS = "$extra_inputs"
-_CONTROL_KEYS = frozenset({EXTRA_INPUTS})
-
-
-# ---------------------------------------------------------------------------
-# Patterns
-# ---------------------------------------------------------------------------
-
-
-class Pattern:
-    """A small IR graph to look for, with constraints.
-
-    Args:
-        graph: the pattern graph; its inputs are wildcards, its outputs the
-            tensors a replacement must provide (the first one's producer is the
-            anchor).
-        constraints: ``{name: predicate or [predicate, ...]}`` where ``name`` is
-            a pattern op or pattern input name and ``predicate(target, match)``
-            gets the graph op (or the bound tensor) and the `Match` so far and
-            returns a bool. Give a predicate a readable ``__name__`` or use
-            `constraint` to name it: explanations quote the name.
-        commutative: op types whose two inputs may match in either order.
-        name: the pattern's name in messages.
-
-    Raises:
-        RewriteError: the pattern has no outputs, an output is a wildcard, an op
-            is not an ancestor of the anchor, or a constraint names nothing.
-    """
-
-    def __init__(self, graph, constraints=None, commutative=(), name=None):
-        self.graph = graph
-        self.name = name or graph.name
-        self.commutative = frozenset(commutative)
-        self.constraints = {}
-        for key, predicates in (constraints or {}).items():
-            if callable(predicates):
-                predicates = [predicates]
-            self.constraints[key] = list(predicates)
-        self._check()
-
-    @property
-    def anchor(self):
-        """The pattern op matching starts from."""
-        return self.graph.outputs[0].producer
-
-    @property
-    def anchor_types(self):
-        """The op types an anchor candidate may have."""
-        return frozenset(self.anchor.type.split("|"))
-
-    @classmethod
-    def trace(cls, fn, constraints=None, commutative=(), name=None, namespace=""):
-        """Builds a pattern from a plain Python function over symbolic ops.
-
-        ``fn`` receives one wildcard per parameter and returns one value (or a
-        tuple); inside it, ``op("Conv2D", x, w)`` or ``op.Conv2D(x, w)`` (see
-        `PatternOps`) records a pattern op, whose result is its first output;
-        ``value.output(i)`` reads another output::
-
-            def conv_bn(x, w, scale, offset, mean, var):
-                return op.FusedBatchNormV3(op.Conv2D(x, w), scale, offset, mean, var)
-
-        Args:
-            fn: the function; its parameter names name the wildcards.
-            constraints, commutative: as for `Pattern`.
-            name: the pattern's name (``fn.__name__`` if None).
-            namespace: the namespace of the recorded ops ("" matches any).
-
-        Returns:
-            A `Pattern`.
-        """
-        import inspect
-
-        graph = Graph(name or fn.__name__, namespace=namespace)
-        params = list(inspect.signature(fn).parameters)
-        values = [_Value(graph.add_input(p)) for p in params]
-        token = _TRACING.push(graph)
-        try:
-            result = fn(*values)
-        finally:
-            _TRACING.pop(token)
-        results = result if isinstance(result, (tuple, list)) else [result]
-        for r in results:
-            if not isinstance(r, _Value):
-                raise RewriteError(f"pattern function {fn.__name__!r} must return values made by op(...), "
-                                   f"got {type(r).__name__}")
-        graph.set_outputs([r.tensor for r in results])
-        return cls(graph, constraints=constraints, commutative=commutative, name=name or fn.__name__)
-
-    def _check(self):
-        graph = self.graph
-        if not graph.outputs:
-            raise RewriteError(f"pattern {self.name!r} has no outputs")
-        for t in graph.outputs:
-            if t.producer is None:
-                raise RewriteError(f"pattern {self.name!r}: output %{t.name} is a wildcard, not an op output")
-        reached = set()
-        stack = [self.anchor]
-        while stack:
-            op = stack.pop()
-            if op in reached:
-                continue
-            reached.add(op)
-            stack.extend(t.producer for t in op.inputs if t.producer is not None)
-        stray = [op.name for op in graph if op not in reached]
-        if stray:
-            raise RewriteError(f"pattern {self.name!r}: ops {stray} are not ancestors of the anchor "
-                               f"{self.anchor.name!r}; matching starts at the anchor")
-        op_names, input_names = {op.name for op in graph}, {t.name for t in graph.inputs}
-        if op_names & input_names:
-            raise RewriteError(f"pattern {self.name!r}: {sorted(op_names & input_names)} name both an op and "
-                               "a wildcard; constraints and Match[...] look nodes up by name")
-        names = op_names | input_names
-        unknown = sorted(set(self.constraints) - names)
-        if unknown:
-            raise RewriteError(f"pattern {self.name!r}: constraints name {unknown}, which are neither "
-                               f"ops nor inputs of the pattern ({sorted(names)})")
-
-    def __repr__(self):
-        return f"<Pattern {self.name!r}: {len(self.graph)} ops, anchor {self.anchor.type}>"
-
-
-def constraint(description):
-    """Decorator naming a predicate for explanations: ``@constraint("is 2-D")``."""
-    def wrap(predicate):
-        predicate.description = description
-        return predicate
-    return wrap
-
-
-def _describe_predicate(predicate):
-    return getattr(predicate, "description", None) or getattr(predicate, "__name__", repr(predicate))
-
-
-class _Tracing:
-    """The pattern graph `op(...)` records into (a stack, for nested traces)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def push(self, graph):
-        self.graphs.append(graph)
-        return len(self.graphs)
-
-    def pop(self, token):
-        del self.graphs[token - 1:]
-
-    def current(self):
-        if not self.graphs:
-            raise RewriteError("op(...) records pattern ops only inside Pattern.trace")
-        return self.graphs[-1]
-
-
-_TRACING = _Tracing()
-
-
-class _Value:
-    """A symbolic tensor while a pattern function is traced."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def output(self, index):
-        """Another output of the op that produced this value."""
-        producer = self.tensor.producer
-        if producer is None or index >= len(producer.outputs):
-            raise RewriteError(f"%{self.tensor.name} has no sibling output {index}")
-        return _Value(producer.outputs[index])
-
-
-class PatternOps:
-    """Records pattern ops while a function is traced by `Pattern.trace`.
-
-    ``op(type, *inputs, num_outputs=1, name=None, extra_inputs=False, **attrs)``
-    records one op; ``op.Type(*inputs, ...)`` is the same with the type as an
-    attribute name. Attrs given become requirements on the matched op.
-    """
-
-    def __call__(self, type, *inputs, num_outputs=1, name=None, extra_inputs=False, **attrs):
-        graph = _TRACING.current()
-        for value in inputs:
-            if not isinstance(value, _Value):
-                raise RewriteError(f"pattern op {type!r}: inputs must be wildcards or op results, "
-                                   f"got {value!r} (put constants in constraints)")
-        if extra_inputs:
-            attrs[EXTRA_INPUTS] = True
-        op = graph.create_op(type, [v.tensor for v in inputs], num_outputs=max(num_outputs, 1),
-                             attrs=attrs, name=name or type.split("|")[0].split(".")[-1])
-        return _Value(op.outputs[0])
-
-    def __getattr__(self, type):
-        if type.startswith("__"):
-            raise AttributeError(type)
-        return lambda *inputs, **kw: self(type, *inputs, **kw)
-
-
-#: The recorder used inside pattern functions: ``op.Conv2D(x, w)``.
-op = PatternOps()
-
-
-# ---------------------------------------------------------------------------
-# Matching
-# ---------------------------------------------------------------------------
-
-
-class Match:
-    """A match of a pattern in a graph.
-
-    Attributes:
-        pattern: the `Pattern`.
-        graph: the graph matched in.
-        ops: pattern op -> graph op.
-        bindings: pattern input (wildcard) -> graph tensor.
-    """
-
-    def __init__(self, pattern, graph):
-        self.pattern = pattern
-        self.graph = graph
-        self.ops = {}
-        self.bindings = {}
-
-    @property
-    def anchor(self):
-        """The graph op matched by the pattern's anchor."""
-        return self.ops[self.pattern.anchor]
-
-    @property
-    def outputs(self):
-        """The graph tensors standing for the pattern's outputs."""
-        return [self.ops[t.producer].outputs[t.index] for t in self.pattern.graph.outputs]
-
-    @property
-    def inputs(self):
-        """The graph tensors bound to the wildcards, in pattern input order."""
-        return [self.bindings[t] for t in self.pattern.graph.inputs]
-
-    def __getitem__(self, name):
-        """The graph op (for a pattern op name) or tensor (for a wildcard name)."""
-        for p, g in self.ops.items():
-            if p.name == name:
-                return g
-        for p, g in self.bindings.items():
-            if p.name == name:
-                return g
-        raise KeyError(f"pattern {self.pattern.name!r} has no op or input named {name!r}")
-
-    def matched_ops(self):
-        """The matched graph ops in graph order."""
-        return sorted(self.ops.values(), key=_position_key(self.graph))
-
-    def _snapshot(self):
-        return dict(self.ops), dict(self.bindings)
-
-    def _restore(self, snapshot):
-        self.ops, self.bindings = dict(snapshot[0]), dict(snapshot[1])
-
-    def __repr__(self):
-        return f"<Match {self.pattern.name!r} at {self.anchor.name!r}: {len(self.ops)} ops>"
-
-
-class MatchFailure(Exception):
-    """Why a pattern does not match (internal; see `explain`).
-
-    Attributes:
-        node: the pattern op or wildcard that failed.
-        target: the graph op or tensor it was compared with (None if none).
-        reason: the failed condition, in words.
-    """
-
-    def __init__(self, node, target, reason):
-        super().__init__(reason)
-        self.node, self.target, self.reason = node, target, reason
-
-
-def match_at(pattern, graph, op):
-    """Matches ``pattern`` with its anchor at ``op``.
-
-    Returns:
-        A `Match`, or a `MatchFailure` describing the first condition that failed.
-    """
-    match = Match(pattern, graph)
-    try:
-        _match_op(pattern.anchor, op, match)
-        for output in pattern.graph.outputs:
-            _match_op(output.producer, _producer_or_fail(output, match), match)
-        _check_closed(match)
-    except MatchFailure as failure:
-        _note_depth(failure, match)
-        return failure
-    return match
-
-
-def _producer_or_fail(pattern_tensor, match):
-    graph_op = match.ops.get(pattern_tensor.producer)
-    if graph_op is None:
-        raise MatchFailure(pattern_tensor.producer, None, "not reached from the anchor")
-    return graph_op
-
-
-def _match_op(p_op, g_op, match):
-    known = match.ops.get(p_op)
-    if known is not None:
-        if known is not g_op:
-            raise MatchFailure(p_op, g_op, f"already matched op {known.name!r}; the graph does not share it here")
-        return
-    if any(g is g_op for g in match.ops.values()):
-        raise MatchFailure(p_op, g_op, "this graph op is already matched by another pattern op")
-    _check_op_fields(p_op, g_op)
-    match.ops[p_op] = g_op
-    _match_inputs(p_op, g_op, match)
-    _check_constraints(p_op, g_op, match)
-
-
-def _check_op_fields(p_op, g_op):
-    types = p_op.type.split("|")
-    if g_op.type not in types:
-        raise MatchFailure(p_op, g_op, f"type is {g_op.type!r}, expected {' or '.join(map(repr, types))}")
-    if p_op.namespace and not (g_op.namespace == p_op.namespace
-                               or g_op.namespace.startswith(p_op.namespace.rstrip("/") + "/")):
-        raise MatchFailure(p_op, g_op, f"namespace {g_op.namespace!r} is not under {p_op.namespace!r}")
-    for key, expected in p_op.attrs.items():
-        if key in _CONTROL_KEYS or expected is ANY:
-            continue
-        if key not in g_op.attrs:
-            raise MatchFailure(p_op, g_op, f"attr {key!r} is missing (expected {expected!r})")
-        if g_op.attrs[key] != expected:
-            raise MatchFailure(p_op, g_op, f"attr {key!r} is {g_op.attrs[key]!r}, expected {expected!r}")
-    n_p, n_g = len(p_op.inputs), len(g_op.inputs)
-    if n_g < n_p or (n_g > n_p and not p_op.attrs.get(EXTRA_INPUTS)):
-        raise MatchFailure(p_op, g_op, f"has {n_g} inputs, expected {n_p}")
-
-
-def _match_inputs(p_op, g_op, match, orders=None):
-    orders = [range(len(p_op.inputs))]
-    if len(p_op.inputs) == 2 and g_op.type in match.pattern.commutative:
-        orders.append([1, 0])
-    failure = None
-    for order in orders:
-        snapshot = match._snapshot()
-        try:
-            for p_pos, g_pos in enumerate(order):
-                _match_tensor(p_op.inputs[p_pos], g_op.inputs[g_pos], match)
-            return
-        except MatchFailure as error:
-            _note_depth(error, match)
-            match._restore(snapshot)
-            if failure is None or error.depth > failure.depth:
-                failure = error  # explain the order that got furthest
-    raise failure
-
-
-def _note_depth(failure, match):
-    """How far matching got when ``failure`` was raised (ops and bindings matched)."""
-    if not hasattr(failure, "depth"):
-        failure.depth = len(match.ops) + len(match.bindings)
-
-
-def _match_tensor(p_t, g_t, match):
-    if p_t.producer is None:  # a wildcard
-        bound = match.bindings.get(p_t)
-        if bound is not None:
-            if bound is not g_t:
-                raise MatchFailure(p_t, g_t, f"wildcard already bound to %{bound.name}, here it would be %{g_t.name}")
-            return
-        match.bindings[p_t] = g_t
-        _check_constraints(p_t, g_t, match)
-        return
-    if g_t.producer is None:
-        raise MatchFailure(p_t.producer, g_t, f"expected an op of type {p_t.producer.type!r} producing "
-                           f"%{g_t.name}, found a graph input")
-    if g_t.index != p_t.index:
-        raise MatchFailure(p_t.producer, g_t.producer, f"reads output {g_t.index} of this op, pattern reads "
-                           f"output {p_t.index}")
-    _match_op(p_t.producer, g_t.producer, match)
-
-
-def _check_constraints(p_node, target, match):
-    for predicate in match.pattern.constraints.get(p_node.name, ()):
-        try:
-            ok = predicate(target, match)
-        except Exception as exc:  # a predicate that cannot decide does not match
-            raise MatchFailure(p_node, target, f"constraint {_describe_predicate(predicate)!r} raised "
-                               f"{type(exc).__name__}: {exc}") from exc
-        if not ok:
-            raise MatchFailure(p_node, target, f"constraint {_describe_predicate(predicate)!r} failed")
-
-
-def _check_closed(match):
-    inside = set(match.ops.values())
-    outputs = {id(t) for t in match.outputs}
-    for p_op, g_op in match.ops.items():
-        for tensor in g_op.outputs:
-            if id(tensor) in outputs:
-                continue
-            for user, _ in tensor.uses:
-                if user not in inside:
-                    raise MatchFailure(p_op, g_op, f"its output %{tensor.name} is also read by op "
-                                       f"{user.name!r} outside the match")
-            if tensor.is_graph_output:
-                raise MatchFailure(p_op, g_op, f"its output %{tensor.name} is a graph output")
-        if g_op is not match.anchor and g_op.control_users:
-            raise MatchFailure(p_op, g_op, f"op {g_op.control_users[0].name!r} waits on it (control edge)")
-
-
-def find_matches(pattern, graph):
-    """All matches of ``pattern`` in ``graph`` (possibly overlapping), anchors in graph order."""
-    types = pattern.anchor_types
-    found = []
-    for g_op in graph:
-        if g_op.type in types:
-            result = match_at(pattern, graph, g_op)
-            if isinstance(result, Match):
-                found.append(result)
-    return found
 
 
 # ---------------------------------------------------------------------------
@@ -586,7 +170,6 @@ def _explained(pattern, op, result):
                                                            else target.name),
                        reason=result.reason)
 
-
 # ---------------------------------------------------------------------------
 # Rules and the driver
 # ---------------------------------------------------------------------------
@@ -631,8 +214,8 @@ class Rule:
 
 
 @dataclasses.dataclass
-class RewriteResult:
-    """What `apply_rules` did.
+class RewriteResult(PassResult):
+    """What `apply_rules` did: a `PassResult` with details.
 
     Attributes:
         graph: the rewritten graph.
@@ -643,8 +226,6 @@ class RewriteResult:
             still matched.
     """
 
-    graph: Graph
-    modified: bool
     applied: list
     iterations: int
     converged: bool
@@ -698,6 +279,27 @@ def apply_rules(graph, rules, max_iterations=10, in_place=False, verify=True):
     else:
         converged = not _select_matches(work, rules)
     return RewriteResult(work, bool(applied), applied, iteration, converged)
+
+
+class RewritePass:
+    """`apply_rules` under the pass contract, to queue in a `PassManager`.
+
+    Args:
+        rules: a `Rule` or a sequence of rules.
+        name: the pass's name in the manager's errors and history.
+        **options: ``max_iterations``, ``in_place`` and ``verify``, as for
+            `apply_rules`.
+
+    Calling the pass returns the `RewriteResult` of `apply_rules`.
+    """
+
+    def __init__(self, rules, name="rewrite", **options):
+        self.rules = [rules] if isinstance(rules, Rule) else list(rules)
+        self.name = name
+        self.options = options
+
+    def __call__(self, graph):
+        return apply_rules(graph, self.rules, **self.options)
 
 
 def _select_matches(graph, rules):
@@ -784,7 +386,3 @@ def inline_graph(graph, template, inputs):
             env[id(old)] = made
     return [env[id(t)] for t in template.outputs]
 
-
-def _position_key(graph):
-    positions = {op: i for i, op in enumerate(graph.ops)}
-    return lambda op: positions[op]
