@@ -4,6 +4,8 @@ OpContext setters the passes use."""
 import functools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import amanda
 from amanda.context import OpContext
@@ -14,6 +16,8 @@ from amanda.passes.instrumentation import GraphBackend, InstrumentationPass, _ru
 from amanda.passes.lower_actions import ROUTINE, LowerActionsPass
 from amanda.passes.rewrite import Pattern, RewritePass, RewriteResult, Rule, apply_rules, op
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE, session_for
+
+from .strategies import graphs
 
 
 def chain(n=3):
@@ -192,3 +196,18 @@ def test_run_points_accepts_value_names_with_or_without_underscore(slots):
                 (FORWARD_BEFORE, FORWARD_AFTER), slots)
     assert seen == [("before", list(relu.inputs)), ("after", list(relu.outputs))]
     assert context.get_graph() is graph and context.get_ir_op() is relu
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(graphs(), st.data())
+def test_rewrite_removal_order_puts_users_first(graph, data):
+    from amanda.passes.rewrite import _users_first
+
+    subset = data.draw(st.lists(st.sampled_from(graph.ops), unique=True)) if len(graph) else []
+    order = _users_first(subset)
+    assert sorted(map(id, order)) == sorted(map(id, subset))
+    position = {op: i for i, op in enumerate(order)}
+    for op in subset:
+        for producer in [t.producer for t in op.inputs] + list(op.control_inputs):
+            if producer in position:
+                assert position[op] < position[producer]
