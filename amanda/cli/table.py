@@ -8,7 +8,7 @@ the header, so ``grep``/``awk`` and diffs read it line by line.
 
 Example::
 
-    from amanda.cli_table import print_table
+    from amanda.cli.table import print_table
     print_table(["op type", "ops"], [["conv2d", 4], ["linear", 2]], "<>",
                 title="cnn: 6 ops")
 """

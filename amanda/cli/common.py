@@ -1,0 +1,246 @@
+"""What every ``amanda`` subcommand shares: the :class:`Command` record,
+usage errors, argparse types, model loading, the missing-extra message and
+JSON output.
+
+Nothing here imports torch, TensorFlow or ONNX at import time: ``amanda
+--help`` and the one-line missing-extra message work on a bare install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from amanda.cli.table import use_rich
+
+DEFAULT_OUT = "amanda-out"
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand.
+
+    Attributes:
+        name: what the user types (``amanda <name>``).
+        help: one line for ``amanda --help``.
+        description: what it does, shown by ``amanda <name> --help``.
+        example: an example command line, shown by both helps.
+        add_arguments: ``add_arguments(parser)`` declares its arguments.
+        run: ``run(args)`` does the work and returns the exit status.
+    """
+
+    name: str
+    help: str
+    description: str
+    example: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A bad command line the parser could not catch (e.g. an unknown model)."""
+
+
+# -- shared helpers ---------------------------------------------------------------------
+
+def _model_help():
+    from amanda import models
+    names = ", ".join(models.available())
+    return (f"a built-in PyTorch model ({names}); keras:NAME[:SIZE], a Keras model in a "
+            "TF graph (keras:cnn, keras:resnet50, keras:mobilenetv2:96); "
+            "path/to/model.onnx, run in onnxruntime; or path/to/file.py:factory, where "
+            "factory() returns (model, inputs) of a PyTorch model (the file imports like a "
+            "script: its folder is on sys.path). `amanda models` lists them")
+
+
+def _count(minimum, what="an integer"):
+    """An argparse type: an int >= ``minimum``, else a clear usage error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def _fraction(text):
+    """An argparse type: a float in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def _bits(text):
+    """An argparse type: 0 (leave in float) or 2..16 bits."""
+    value = _count(0)(text)
+    if value == 1 or value > 16:
+        raise argparse.ArgumentTypeError(f"must be 0 (float) or 2 to 16 bits, got {value}")
+    return value
+
+
+def _pytorch_only(specs, command, why):
+    """Reject Keras and ONNX specs before anything runs."""
+    for spec in specs:
+        if spec.startswith("keras:") or spec.endswith(".onnx"):
+            kind = "a TensorFlow" if spec.startswith("keras:") else "an ONNX"
+            raise UsageError(f"{spec} is {kind} model; `amanda {command}` is PyTorch-only "
+                             f"({why})")
+
+
+class _Workloads:
+    """Loads each model spec once per command; checks them all up front so a
+    typo fails before any model runs."""
+
+    def __init__(self, *spec_lists):
+        from amanda import models
+        self._loaded = {}
+        for specs in spec_lists:
+            for spec in specs:
+                try:
+                    models.check(spec)
+                except models.ModelSpecError as exc:
+                    raise UsageError(str(exc)) from None
+
+    def __call__(self, spec):
+        from amanda import models
+        if spec not in self._loaded:
+            try:
+                self._loaded[spec] = models.load(spec)
+            except models.ModelSpecError as exc:
+                raise UsageError(str(exc)) from None
+        return self._loaded[spec]
+
+
+def _write_json(out_dir, filename, data):
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, filename)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+    return path
+
+
+# -- shared helpers for the tool commands ---------------------------------------------------
+
+class MissingPiece(UsageError):
+    """A subcommand needs a module that is not in this installation."""
+
+
+# The extra of pyproject.toml that installs each optional top-level module;
+# "" for the core dependencies (a broken install: reinstall amanda).
+EXTRA_OF_MODULE = {
+    "torch": "torch", "transformers": "torch",
+    "tensorflow": "tensorflow", "keras": "tensorflow",
+    "onnx": "onnx", "onnxruntime": "onnx", "onnxruntime_extensions": "onnx",
+    "onnxscript": "onnx", "tf2onnx": "onnx",
+    "matplotlib": "viz", "networkx": "viz",
+    "numpy": "", "rich": "",
+}
+
+
+def missing_extra_message(command, error):
+    """One line naming the command, the missing module and the ``pip install``
+    that brings it, or None when ``error`` is not about an optional module."""
+    module = (getattr(error, "name", None) or "").partition(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        return None
+    target = f"'amanda[{extra}]'" if extra else "amanda"
+    return (f"amanda {command}: needs {module}, which is not installed; "
+            f"pip install {target}")
+
+
+def _require(module, command, what):
+    """Import ``module`` or fail naming the missing piece."""
+    import importlib
+    import importlib.util
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise MissingPiece(f"`amanda {command}` needs {what} ({module}), which is not "
+                           "installed in this tree")
+    return importlib.import_module(module)
+
+
+def _load(spec, command, frameworks=("pytorch", "tensorflow", "onnx")):
+    """Load one model spec, checking the command supports its framework."""
+    workload = _Workloads([spec])(spec)
+    if workload.framework not in frameworks:
+        raise UsageError(f"`amanda {command}` works on {' and '.join(frameworks)} models; "
+                         f"{spec} is a {workload.framework} model")
+    return workload
+
+
+def _progress(iterable, total, label):
+    """Iterate with a progress bar on a terminal (rich, on stderr); plain
+    iteration otherwise."""
+    if total <= 1 or not use_rich(sys.stderr):
+        yield from iterable
+        return
+    from rich.console import Console
+    from rich.progress import track
+    yield from track(iterable, total=total, description=label, transient=True,
+                     console=Console(stderr=True))
+
+
+def _safe_name(spec):
+    """A file-name-safe form of a model spec (``keras:resnet50`` -> ``keras-resnet50``)."""
+    base = os.path.basename(spec) if os.sep in spec else spec
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in base).strip("-") or "model"
+
+
+def _add_model_argument(parser):
+    parser.add_argument("model", metavar="MODEL", help=_model_help())
+
+
+def _add_out_argument(parser, files):
+    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                        help=f"where to write {files} (default: {DEFAULT_OUT}/)")
+
+
+def _relative_error(reference, value):
+    import numpy as np
+    reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
+    norm = float(np.linalg.norm(reference))
+    return float(np.linalg.norm(value - reference)) / norm if norm else float(np.abs(value).max())
+
+
+def _sqnr_db(reference, value):
+    import numpy as np
+    reference, value = np.asarray(reference, np.float64), np.asarray(value, np.float64)
+    noise = float(((value - reference) ** 2).sum())
+    return float("inf") if noise == 0 else 10 * float(np.log10((reference ** 2).sum() / noise))
+
+
+def _jsonable(value):
+    """Tuples, NumPy values and other objects as JSON-friendly values."""
+    import numpy as np
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def _stderr(message):
+    sys.stdout.flush()  # keep progress lines in order with the output
+    print(message, file=sys.stderr, flush=True)
+
