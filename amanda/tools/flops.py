@@ -39,6 +39,7 @@ from collections import Counter, defaultdict
 
 import amanda
 from amanda.tools import mapping_rules
+from amanda.tools._module_path import module_path_of
 from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
@@ -295,25 +296,6 @@ def _needed_inputs(formula, op_type, backend):
     return 1
 
 
-def _onnx_module(node_name):
-    """The module path a PyTorch exporter encoded in a node's name, or None.
-
-    ``"/encoder/stages.0/layer/layer.1/conv/Conv"`` -> ``"encoder.stages.0.layer.1.conv"``:
-    the last segment is the op, and a called container's segment (``layer``)
-    is followed by its child's as ``layer.1``, which replaces it.
-    """
-    segments = [s for s in node_name.split("/") if s][:-1]
-    if not segments:
-        return None
-    path = []
-    for segment in segments:
-        if path and segment.startswith(path[-1] + "."):
-            path[-1] = segment
-        else:
-            path.append(segment)
-    return ".".join(path)
-
-
 def format_count(value):
     """A count in auto-scaled units: ``512``, ``1.23K``, ``45.60M``, ``7.89G``."""
     for factor, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
@@ -389,7 +371,7 @@ class FlopsProfiler(amanda.Tool):
         op_type = normalise_type(context.get("type"), backend)
         if op_type is None:
             op_type = normalise_type(context.get_op_name(), backend)
-        module = self._module(context, backend)
+        module = module_path_of(context)
         self._note_module(context, backend, module)
         if op_type in ZERO_FLOP_TYPES:
             return
@@ -446,16 +428,6 @@ class FlopsProfiler(amanda.Tool):
             context.insert_after_backward_op(self._count_backward, grad_inputs=[],
                                              op_type=op_type, module=module,
                                              flops=factor * flops)
-
-    @staticmethod
-    def _module(context, backend):
-        if backend == "tensorflow":
-            op = context.get_op()
-            name = getattr(op, "name", "") or ""
-            return name.rsplit("/", 1)[0] if "/" in name else ""
-        if backend == "onnx":
-            return _onnx_module(getattr(context.get_op(), "name", "") or "")
-        return context.get_module_path()
 
     def _note_module(self, context, backend, module):
         """Remember the module's parameters (the op's inputs that are

@@ -56,6 +56,7 @@ from collections import defaultdict
 import amanda
 from amanda.errors import AmandaError
 from amanda.tools import mapping_rules
+from amanda.tools._module_path import module_path_of
 from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
 
@@ -126,10 +127,6 @@ class OpInfo:
 
 def _shapes(values):
     return [dims(v) for v in values or ()]
-
-
-def _tf_scope(name):
-    return name.rsplit("/", 1)[0] if name and "/" in name else None
 
 
 def _producers(op):
@@ -203,7 +200,7 @@ class OpProfiler(amanda.Tool):
 
     def _forward_analysis(self, context):
         op_type = context.get("type") or context.get_op_name()
-        info = self._new_info(FORWARD, op_type, op_type, context, self._module(context),
+        info = self._new_info(FORWARD, op_type, op_type, context, module_path_of(context),
                               _shapes(context.get_inputs()), _producers(context.get_op()))
         if context.namespace.startswith("onnx/"):
             # onnxruntime orders a routine only by dataflow: the routines hand
@@ -226,17 +223,10 @@ class OpProfiler(amanda.Tool):
             op_type = ACCUMULATE_GRAD
         else:
             op_type = context.get("type") or mapping_rules.canonical_type(name, {})
-        info = self._new_info(BACKWARD, name, op_type, context, self._module(context),
+        info = self._new_info(BACKWARD, name, op_type, context, module_path_of(context),
                               _shapes(context.get_grad_outputs()), _producers(backward_op))
         context.insert_before_backward_op(self._start, grad_outputs=[], info=info)
         context.insert_after_backward_op(self._stop, grad_inputs=[], info=info)
-
-    @staticmethod
-    def _module(context):
-        if context.namespace.startswith("tensorflow"):
-            op = context.get_op() if context.get_op() is not None else context.get_backward_op()
-            return _tf_scope(getattr(op, "name", None))
-        return context.get_module_path()
 
     # -- instrumentation routines (observe only) ---------------------------------
     def _onnx_start(self, *tensors, info):

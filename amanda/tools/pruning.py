@@ -48,6 +48,7 @@ import amanda
 from amanda import portable
 from amanda.errors import AmandaError
 from amanda.tools import mapping_rules
+from amanda.tools._module_path import module_path_of
 from amanda.tools.mapping import MappingTool
 
 __all__ = ["Pruner", "PrunedLayer", "magnitude_mask", "nm_mask", "channel_mask",
@@ -338,7 +339,7 @@ class Pruner(amanda.Tool):
             return
         key = (context.namespace, context.get_op_id())
         weight = context["weight"]
-        layer = PrunedLayer(key, context.get_op_id(), context["type"], self._module(context),
+        layer = PrunedLayer(key, context.get_op_id(), context["type"], module_path_of(context),
                             weight.shape, context["as_tensor"],
                             (context.get("weight_channel_axis"), context.get("weight_input_axis")))
         if self.compute_mask(weight, layer) is None:
@@ -369,13 +370,6 @@ class Pruner(amanda.Tool):
         else:
             context.insert_after_backward_op(self.dynamic_mask_grad, grad_inputs=[position],
                                              layer=layer)
-
-    @staticmethod
-    def _module(context):
-        if context.namespace.startswith("tensorflow"):
-            name = getattr(context.get_op(), "name", "") or ""
-            return name.rsplit("/", 1)[0] if "/" in name else None
-        return context.get_module_path()
 
     # -- dynamic routines (keep state: callbacks in graph backends) -------------------------
     def dynamic_mask_weight(self, weight, layer):
