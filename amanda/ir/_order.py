@@ -12,11 +12,12 @@ and membership is a dict lookup. ``None`` is the sentinel that closes the ring:
 class OpOrder:
     """Ops in order; insertion next to a known op and removal are O(1)."""
 
-    __slots__ = ("_next", "_prev")
+    __slots__ = ("_next", "_prev", "_snapshot")
 
     def __init__(self):
         self._next = {None: None}
         self._prev = {None: None}
+        self._snapshot = ()  # tuple of the ops, or None once the order changed
 
     def __len__(self):
         return len(self._next) - 1
@@ -31,6 +32,13 @@ class OpOrder:
         while op is not None:
             yield op
             op = following[op]
+
+    def snapshot(self):
+        """A tuple of the ops in order, cached until the order next changes (so
+        reading a graph many times between edits walks the links once)."""
+        if self._snapshot is None:
+            self._snapshot = tuple(self)
+        return self._snapshot
 
     def first(self):
         """The first op, or None if empty."""
@@ -60,6 +68,7 @@ class OpOrder:
         """Puts ``op`` (not already present) just after ``anchor`` (present, or
         None for the front)."""
         following = self._next[anchor]
+        self._snapshot = None
         self._next[anchor] = op
         self._next[op] = following
         self._prev[op] = anchor
@@ -69,5 +78,6 @@ class OpOrder:
         """Takes ``op`` (present) out of the order."""
         before = self._prev.pop(op)
         after = self._next.pop(op)
+        self._snapshot = None
         self._next[before] = after
         self._prev[after] = before

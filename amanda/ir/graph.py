@@ -70,13 +70,13 @@ class Graph:
     @property
     def ops(self):
         """A new list of the ops in order; editing the list does not edit the graph."""
-        return list(self._order)
+        return list(self._order.snapshot())
 
     @property
     def _ops(self):
         # Read-only view kept for code written against the former list field;
         # use `ops` or iterate over the graph instead.
-        return tuple(self._order)
+        return self._order.snapshot()
 
     def prev_op(self, op):
         """Returns the op just before ``op`` in order, or None if ``op`` is first.
@@ -97,7 +97,7 @@ class Graph:
         return self._order.next_of(op)
 
     def __iter__(self):
-        for op in tuple(self._order):
+        for op in self._order.snapshot():
             if op._graph is self:
                 yield op
 

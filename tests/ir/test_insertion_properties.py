@@ -166,5 +166,6 @@ def test_op_order_matches_a_list(steps):
             order.remove(victim)
             assert victim not in order
         assert list(order) == model and len(order) == len(model)
+        assert order.snapshot() == tuple(model) and order.snapshot() is order.snapshot()
         assert order.first() is (model[0] if model else None)
         assert order.last() is (model[-1] if model else None)
