@@ -150,7 +150,7 @@ class PassManager:
         except AmandaError as error:
             if isinstance(error, IRError):  # the pass misused the IR: blame the pass
                 raise self._error(f"pass {name!r} raised {type(error).__name__}: {error}", name) from error
-            error.add_note(f"(in pass {name!r} of {self.name!r}; passes run before it: {self._trail()})")
+            _add_note(error, f"(in pass {name!r} of {self.name!r}; passes run before it: {self._trail()})")
             raise
         except Exception as error:
             raise self._error(f"pass {name!r} raised {type(error).__name__}: {error}", name) from error
@@ -177,3 +177,11 @@ class PassManager:
     def __repr__(self):
         names = ", ".join(pass_name(p) for p in self.passes)
         return f"<PassManager {self.name!r}: [{names}]{' debug' if self.debug else ''}>"
+
+
+def _add_note(error, note):
+    """PEP 678 note (shown under the traceback); by hand before Python 3.11."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]
