@@ -1,0 +1,278 @@
+"""The FLOP formula table of :mod:`amanda.tools.flops`.
+
+Op types (canonical, backend-neutral names from
+:data:`amanda.tools.mapping_rules.RULES`) map to a formula in
+:data:`FORMULAS`; :func:`normalise_type` folds backend aliases onto the
+table's names; the ``*_BACKWARD`` tables say how many forward-FLOPs each
+backward op computing a gradient of a convolution or matrix product is
+charged. An op type without a formula is never counted as zero: the
+profiler lists it as unknown. Conventions: see :mod:`amanda.tools.flops`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from amanda.tools._shapes import dims
+
+__all__ = ["BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES", "FORMULAS", "MATMUL_TYPES",
+           "NORM_TYPES", "REDUCTION_TYPES", "RNN_ELEMENTWISE", "SOFTMAX_TYPES",
+           "ZERO_FLOP_TYPES", "normalise_type"]
+
+#: Convolutions: 2 * output elements * (Cin / groups * kernel area).
+CONV_TYPES = frozenset({"conv1d", "conv2d", "conv3d", "depthwise_conv2d", "convolution",
+                        "conv_transpose", "conv_transpose1d", "conv_transpose2d",
+                        "conv_transpose3d"})
+#: Matrix products: 2 * output elements * contracted dimension.
+MATMUL_TYPES = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm",
+                          "batch_mat_mul", "einsum_matmul"})
+#: Forward types whose backward ops are counted (2x forward, see module doc).
+BACKWARD_TYPES = CONV_TYPES | MATMUL_TYPES
+
+#: Element-wise ops: 1 FLOP per output element (transcendentals included).
+ELEMENTWISE_TYPES = frozenset({
+    "add", "iadd", "radd", "sub", "isub", "rsub", "mul", "imul", "rmul", "div", "idiv",
+    "truediv", "itruediv", "rtruediv", "floordiv", "real_div", "floor_div", "neg", "abs",
+    "pow", "rpow", "sqrt", "rsqrt", "exp", "log", "reciprocal", "square", "squared_difference",
+    "relu", "relu6", "gelu", "tanh", "sigmoid", "silu", "elu", "selu", "leaky_relu", "hardtanh",
+    "softplus", "erf", "clamp", "clip_by_value", "maximum", "minimum", "where", "masked_fill",
+    "bias_add", "add_v2", "sign", "floor", "ceil", "round", "dropout_train", "select_v2",
+    "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "logical_and",
+    "logical_or", "logical_not", "gelu_tanh", "le", "lt", "ge", "gt", "eq", "ne",
+    # ONNX spellings (Sum/Max/Min/Mean of n inputs: see _elementwise)
+    "clip", "prelu", "hard_sigmoid", "hard_swish", "thresholded_relu", "softsign", "mish",
+    "celu", "greater_or_equal", "less_or_equal", "not", "and", "or", "xor", "sin", "cos",
+    "mod", "average",
+})
+#: Reductions and pooling: 1 FLOP per input element.
+REDUCTION_TYPES = frozenset({
+    "sum", "mean", "max", "min", "prod", "amax", "amin", "cumsum", "argmax", "argmin",
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool",
+    "avg_pool", "norm", "global_avg_pool2d", "global_max_pool",
+})
+#: Normalisations: 5 FLOPs per element (statistics, normalise, affine).
+NORM_TYPES = frozenset({"layer_norm", "batch_norm", "group_norm", "instance_norm",
+                        "fused_batch_norm", "rms_norm"})
+#: Softmax: 3 FLOPs per element (exp, sum, divide).
+SOFTMAX_TYPES = frozenset({"softmax", "log_softmax"})
+
+#: Ops without arithmetic: views, shape manipulation, copies, lookups, constants.
+ZERO_FLOP_TYPES = frozenset({
+    # PyTorch
+    "reshape", "view", "flatten", "transpose", "permute", "t", "contiguous", "expand",
+    "expand_as", "getitem", "setitem", "squeeze", "unsqueeze", "split", "chunk", "cat",
+    "stack", "to", "clone", "detach", "type", "float", "half", "int", "long", "bool",
+    "arange", "tensor", "zeros", "ones", "zeros_like", "ones_like", "full", "empty",
+    "gather", "index_select", "embedding", "dropout", "size", "narrow", "repeat",
+    "new_ones", "new_zeros", "masked_select", "unbind", "tril", "triu", "copy",
+    "identity", "roll", "flip", "pad", "cpu", "cuda", "numpy", "item", "len", "dim",
+    "numel", "is_floating_point", "finfo", "get_device", "contiguous_", "as_strided",
+    "rand", "randn", "randint", "rand_like", "randn_like", "empty_like", "full_like",
+    # TensorFlow
+    "shape", "read_variable_op", "var_handle_op", "variable_v2", "const", "placeholder",
+    "no_op", "cast", "concat_v2", "strided_slice", "slice", "expand_dims", "pack", "unpack",
+    "gather_v2", "resource_gather", "fill", "range", "identity_n", "stop_gradient", "prevent_gradient", "pad_v2", "mirror_pad", "tile",
+    "broadcast_to", "rank", "split_v", "assign_variable_op", "shape_n",
+    "broadcast_args", "broadcast_gradient_args", "check_numerics",
+    # ONNX (Gather of an initializer is "embedding", other Gathers "gather")
+    "constant", "constant_of_shape", "concat", "cast_like", "gather_elements", "gather_nd",
+    "depth_to_space", "space_to_depth", "non_zero", "trilu", "optional",
+})
+
+
+def _numel(shape):
+    return int(math.prod(shape))
+
+
+def _shape(tensor):
+    """A tensor's fully known shape as a tuple of ints, or None."""
+    if getattr(tensor, "shape", None) is None:
+        return _onnx_shape(tensor)
+    known = dims(tensor)
+    return None if known is None or None in known else tuple(known)
+
+
+def _onnx_shape(value):
+    """The static shape of an ``onnx.ValueInfoProto`` (duck-typed: ``onnx`` is
+    not imported), or None when its rank or a dimension is unknown or symbolic."""
+    tensor_type = getattr(getattr(value, "type", None), "tensor_type", None)
+    if tensor_type is None or not value.type.HasField("tensor_type") \
+            or not tensor_type.HasField("shape"):
+        return None
+    sizes = []
+    for d in tensor_type.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        sizes.append(int(d.dim_value))
+    return tuple(sizes)
+
+
+def _onnx_attr(node, name, default=0):
+    for attr in getattr(node, "attribute", ()):
+        if attr.name == name:
+            return attr.i
+    return default
+
+
+def _attr(op, name, default=False):
+    get_attr = getattr(op, "get_attr", None)
+    if get_attr is None:
+        return default
+    try:
+        return get_attr(name)
+    except (ValueError, KeyError, TypeError):
+        return default
+    except Exception:  # noqa: BLE001 - any backend error means "no such attr"
+        return default
+
+
+def _conv(op_type, ins, out, op, backend):
+    weight = ins[1]
+    if op_type.startswith("conv_transpose"):
+        # weight (Cin, Cout/groups, k...): each input element feeds Cout/g*k outputs
+        return 2 * _numel(ins[0]) * _numel(weight[1:])
+    if backend == "tensorflow":
+        if op_type == "depthwise_conv2d":  # filter (KH, KW, Cin, multiplier)
+            return 2 * _numel(out) * _numel(weight[:2])
+        return 2 * _numel(out) * _numel(weight[:-1])  # filter HWIO: KH*KW*Cin
+    return 2 * _numel(out) * _numel(weight[1:])  # weight (Cout, Cin/g, k...) (also ONNX)
+
+
+def _matmul(op_type, ins, out, op, backend):
+    if backend == "onnx":
+        a = ins[0]
+        if getattr(op, "op_type", None) == "Gemm":  # A (M, K), or (K, M) with transA
+            return 2 * _numel(out) * (a[0] if _onnx_attr(op, "transA") else a[1])
+        return 2 * _numel(out) * a[-1]  # MatMul: numpy semantics, K = A's last dim
+    if backend == "tensorflow":
+        a = ins[0]
+        if op.type == "MatMul":
+            k = a[0] if _attr(op, "transpose_a") else a[1]
+        else:  # BatchMatMul*: adj_x
+            k = a[-2] if _attr(op, "adj_x") else a[-1]
+        return 2 * _numel(out) * k
+    if op_type == "linear":
+        return 2 * _numel(out) * ins[1][-1]  # weight (out, in)
+    a = ins[1] if op_type in ("addmm", "baddbmm") else ins[0]
+    return 2 * _numel(out) * a[-1]
+
+
+def _sdpa(op_type, ins, out, op, backend):
+    # the two matrix products q @ k^T and p @ v, as FlopCounterMode counts
+    q, k, v = ins[:3]
+    rows = _numel(q[:-1])
+    return 2 * rows * k[-2] * q[-1] + 2 * rows * k[-2] * v[-1]
+
+
+#: Recurrent ops: element-wise FLOPs per hidden unit and time step (see _rnn).
+RNN_ELEMENTWISE = {"rnn_tanh": 2, "rnn_relu": 2, "lstm": 13, "gru": 11}
+_RNN_STATES = {"lstm": 2}
+
+
+def _rnn(op_type, ins, out, op, backend):
+    """``torch.rnn_tanh/rnn_relu/lstm/gru`` (inputs: the sequence, the
+    hidden state(s), then per layer and direction ``w_ih``, ``w_hh`` and
+    optional biases). Every time step multiplies each weight matrix (rows,
+    cols) with one column per sequence element: ``2 * T*B * rows * cols``;
+    biases are not counted, as for ``linear``. The gate arithmetic adds
+    :data:`RNN_ELEMENTWISE` FLOPs per hidden unit and step: RNN 2 (sum,
+    activation); LSTM 13 (4 sums, 4 activations, ``f*c + i*g`` 3, ``o *
+    tanh(c)`` 2); GRU 11 (2 sums, 2 sigmoids, ``tanh(x_n + r * h_n)`` 3,
+    ``(1 - z) * n + z * h`` 4)."""
+    weights = [shape for shape in ins[1 + _RNN_STATES.get(op_type, 1):] if len(shape) == 2]
+    input_to_hidden, hidden_to_hidden = weights[0::2], weights[1::2]
+    if not hidden_to_hidden or len(input_to_hidden) != len(hidden_to_hidden):
+        raise IndexError("weights of an RNN not found")
+    steps = _numel(ins[0]) // input_to_hidden[0][1]      # time steps x batch
+    matmuls = sum(2 * steps * rows * cols for rows, cols in weights)
+    hidden = sum(cols for _, cols in hidden_to_hidden)    # H per layer and direction
+    return matmuls + RNN_ELEMENTWISE[op_type] * steps * hidden
+
+
+def _elementwise(op_type, ins, out, op, backend):
+    # ONNX Sum/Max/Min of n inputs: n - 1 binary ops per output element; Mean one more
+    extra = max(len(ins) - 2, 0) if backend == "onnx" else 0
+    return (1 + extra + (op_type == "average")) * _numel(out)
+
+
+def _per_input(factor):
+    return lambda op_type, ins, out, op, backend: factor * _numel(ins[0])
+
+
+#: Canonical type -> formula(type, input shapes, first output shape, op, backend),
+#: backend being "pytorch", "tensorflow" or "onnx"; a shape is a tuple of ints.
+FORMULAS = {}
+FORMULAS.update({t: _conv for t in CONV_TYPES})
+FORMULAS.update({t: _matmul for t in MATMUL_TYPES})
+FORMULAS["scaled_dot_product_attention"] = _sdpa
+FORMULAS.update({t: _rnn for t in RNN_ELEMENTWISE})
+FORMULAS.update({t: _elementwise for t in ELEMENTWISE_TYPES})
+FORMULAS.update({t: _per_input(1) for t in REDUCTION_TYPES})
+FORMULAS.update({t: _per_input(5) for t in NORM_TYPES})
+FORMULAS.update({t: _per_input(3) for t in SOFTMAX_TYPES})
+
+# TensorFlow op types whose canonical type needs renaming.
+_TF_ALIASES = {"batch_mat_mul_v2": "matmul", "batch_mat_mul_v3": "matmul",
+               "fused_batch_norm": "batch_norm", "fused_batch_norm_v2": "batch_norm",
+               "add_v2": "add", "real_div": "div", "max_pool2d": "max_pool2d",
+               "conv2_d": "conv2d", "identity": "identity"}
+
+# ONNX op types whose snake-case name means something else in the table: the
+# variadic element-wise Sum/Max/Min/Mean, the Reduce* ops, the normalisations.
+_ONNX_ALIASES = {"sum": "add", "max": "maximum", "min": "minimum", "mean": "average",
+                 "reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max",
+                 "reduce_min": "min", "reduce_prod": "prod", "reduce_l2": "norm",
+                 "arg_max": "argmax", "arg_min": "argmin",
+                 "instance_normalization": "instance_norm",
+                 "group_normalization": "group_norm"}
+
+# Backward ops that compute the gradients of a convolution / matrix product,
+# and how many forward-FLOPs each is charged.
+_TORCH_BACKWARD = {"ConvolutionBackward0": 2, "AddmmBackward0": 2, "MmBackward0": 2,
+                   "BmmBackward0": 2, "BaddbmmBackward0": 2, "LinearBackward0": 2,
+                   "MvBackward0": 2, "ConvolutionBackwardBackward0": 2}
+_TF_BACKWARD = {"Conv2DBackpropInput": 1, "Conv2DBackpropFilter": 1,
+                "Conv2DBackpropInputV2": 1, "Conv2DBackpropFilterV2": 1,
+                "DepthwiseConv2dNativeBackpropInput": 1,
+                "DepthwiseConv2dNativeBackpropFilter": 1,
+                "MatMul": 1, "BatchMatMul": 1, "BatchMatMulV2": 1, "BatchMatMulV3": 1}
+
+
+def normalise_type(op_type, backend=None):
+    """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF
+    and ONNX aliases onto the formula table's names."""
+    if op_type is None:
+        return None
+    if backend == "onnx":
+        return _ONNX_ALIASES.get(op_type, op_type)
+    name = op_type.strip("_")
+    return _TF_ALIASES.get(name, name)
+
+
+#: ONNX element types a hosted routine can receive (float16/bfloat16 cannot).
+_ONNX_HOSTED = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13})
+
+
+def _needed_inputs(formula, op_type, backend):
+    """How many leading inputs the formula reads the shapes of."""
+    if formula in (_conv, _matmul):
+        return 3 if op_type in ("addmm", "baddbmm") and backend == "pytorch" else 2
+    if formula is _sdpa:
+        return 3
+    if formula is _elementwise:
+        return 0
+    return 1
+
+
+def _apply(formula, op_type, ins, out, op, backend):
+    """The formula's FLOPs, or None when a shape it needs is unknown."""
+    if out is None:
+        return None
+    needed = _needed_inputs(formula, op_type, backend)
+    if len(ins) < needed or any(s is None for s in ins[:needed]):
+        return None
+    try:
+        return int(formula(op_type, ins, out, op, backend))
+    except (IndexError, TypeError):
+        return None
