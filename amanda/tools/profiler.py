@@ -40,15 +40,18 @@ What a duration measures (see docs/tools/profiler.md):
 The tool depends on a :class:`~amanda.tools.mapping.MappingTool` with
 :data:`amanda.tools.mapping_rules.RULES` for canonical op types; it only uses
 the public API.
+
+The tool collects events and aggregates them here; the Chrome trace and the
+timeline are in :mod:`amanda.tools.profiler_trace`, the ``torch.profiler``
+kernel breakdown in :mod:`amanda.tools.profiler_kernels`, :class:`OpInfo`
+and the constants in :mod:`amanda.tools.profiler_events` (all importable
+from here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -59,70 +62,25 @@ from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
 from amanda.tools._shapes import dims
 from amanda.tools.mapping import MappingTool
+from amanda.tools.profiler_events import (
+    _PHASES,
+    ACCUMULATE_GRAD,
+    BACKWARD,
+    FORWARD,
+    RANGE_PREFIX,
+    OpInfo,
+)
+from amanda.tools.profiler_kernels import KernelRecording, quiet_kineto
+from amanda.tools.profiler_trace import (  # _lanes, _module_spans: importable from here
+    TraceExport,
+    _join,
+    _lanes,
+    _module_spans,
+    _parts,
+)
 
 __all__ = ["ACCUMULATE_GRAD", "OpProfiler", "OpInfo", "RANGE_PREFIX", "profile_steps",
            "quiet_kineto"]
-
-#: The type under which PyTorch's ``AccumulateGrad`` nodes (a leaf's gradient
-#: added into its ``.grad``) are aggregated, apart from the forward op's type.
-ACCUMULATE_GRAD = "accumulate_grad"
-
-#: Prefix of the ``record_function`` ranges that enclose each op while
-#: :meth:`OpProfiler.record_kernels` is active.
-RANGE_PREFIX = "amanda.op#"
-
-FORWARD, BACKWARD = "forward", "backward"
-_PHASES = (FORWARD, BACKWARD)
-
-
-class OpInfo:
-    """What the profiler knows of one instrumented (forward or backward) op.
-
-    Attributes:
-        index: position in :attr:`OpProfiler.ops` (names its kernel range).
-        phase: ``"forward"`` or ``"backward"``.
-        name: the op's own name: the canonical type of a forward op
-            (``linear``, ``conv2d``), the backward op's name for a backward
-            op (``AddmmBackward0``; TF: the gradient op's type, ``Conv2DBackpropFilter``).
-        type: the canonical type of the forward op (for a backward op, of the
-            forward op owning it; its own type when no forward op owns it).
-        op_id: the forward op's stable id (TF: the op name).
-        backward_op_id: the backward op's stable id (backward only).
-        module: dotted module path (PyTorch; "" for the root module), or the
-            op's name scope (TF); None outside any module.
-        shapes: input shapes at the op's first execution (gradient shapes for
-            backward ops); None entries for non-tensors or unknown shapes.
-        namespace: the context's namespace.
-        producers: in graph mode, the keys of the ops this op waits for (data
-            and control inputs); None in eager mode.
-    """
-
-    __slots__ = ("index", "phase", "name", "type", "op_id", "backward_op_id", "module",
-                 "shapes", "namespace", "producers")
-
-    def __init__(self, index, phase, name, op_type, op_id, backward_op_id, module, shapes,
-                 namespace, producers=None):
-        self.index = index
-        self.phase = phase
-        self.name = name
-        self.type = op_type
-        self.op_id = op_id
-        self.backward_op_id = backward_op_id
-        self.module = module
-        self.shapes = shapes
-        self.namespace = namespace
-        self.producers = producers
-
-    @property
-    def key(self):
-        """The op's id in its phase: op id (forward), backward op id (backward)."""
-        return self.op_id if self.phase == FORWARD else self.backward_op_id
-
-    def as_dict(self):
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    def __repr__(self):
-        return f"<OpInfo {self.phase} {self.name} id={self.key} module={self.module!r}>"
 
 
 def _shapes(values):
@@ -147,7 +105,7 @@ def _backward_name(op):
     return getattr(op, "__name__", None) or type(op).__name__
 
 
-class OpProfiler(amanda.Tool):
+class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
     """Time every forward and backward op; aggregate, trace and break down.
 
     Args:
@@ -437,288 +395,6 @@ class OpProfiler(amanda.Tool):
                      f"{self.total_us(phase) / 1e3:>10.3f}  {100.0:>5.1f}%")
         return "\n".join(lines)
 
-    # -- Chrome trace ----------------------------------------------------------------
-    def chrome_trace(self, modules=True, flows=True, origin_ns=None, pid=None,
-                     process_name=None):
-        """The events as a Chrome trace (trace event format) dictionary.
-
-        Forward ops are on thread 1 ("forward ops"), backward ops on thread 2
-        ("backward ops"); events that overlap in time (TF's parallel
-        executor) go to extra lanes of their phase (tids 1xx / 2xx); the
-        blocks marked with :meth:`step` are slices ``step N`` on thread 0
-        ("steps"). Timestamps are microseconds from the first event. Each op
-        is a complete event (``"ph": "X"``) with ``args`` ``op_id``,
-        ``backward_op_id``, ``type``, ``module`` and ``shapes``; the CPU
-        events :meth:`record_kernels` saw inside an op (aten ops) are complete
-        events nested in it (``cat`` ``"kernel"``).
-
-        Args:
-            modules: enclose each run of consecutive ops in a module by a
-                span named by its module path, nesting as the modules do.
-            flows: link each forward op execution to the backward op
-                executions it owns with flow events (``"s"``/``"f"``, ``cat``
-                ``"fwdbwd"``, one id per pair, the finish binding to the
-                enclosing slice: ``"bp": "e"``), as ``torch.profiler`` does.
-            origin_ns: the clock reading that becomes time 0 (default: the
-                first event's start); :mod:`amanda.distributed` aligns ranks
-                with it.
-            pid: the process id of the events (default: this process's).
-            process_name: the process's name (default: ``amanda <namespaces>``).
-
-        Returns:
-            ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``:
-            metadata first, then the slices sorted by thread, then start, then
-            longest first, so parents precede their children, then the flows.
-        """
-        starts = [start for _, start, _ in self.events] + [start for _, start, _ in self.steps]
-        origin = min(starts, default=0) if origin_ns is None else origin_ns
-        pid = os.getpid() if pid is None else pid
-        namespaces = sorted({info.namespace for info, _, _ in self.events})
-        meta = [_meta(pid, 0, "process_name",
-                      {"name": process_name or "amanda " + ", ".join(namespaces)})]
-        spans = []
-        if self.steps:
-            meta += _thread_meta(pid, 0, "steps")
-            spans += [_complete(f"step {number}", "step", start - origin, end - start, pid, 0,
-                                {"step": number}) for number, start, end in self.steps]
-        placed = []   # (start, end, info, tid) of every op execution
-        for base, phase in ((1, FORWARD), (2, BACKWARD)):
-            lanes = _lanes(sorted(((s, e, info) for info, s, e in self.events
-                                   if info.phase == phase), key=lambda x: (x[0], x[1])))
-            for lane, items in enumerate(lanes):
-                tid = base if lane == 0 else base * 100 + lane
-                meta += _thread_meta(pid, tid, f"{phase} ops" + (f" (lane {lane})" if lane else ""))
-                for start, end, info in items:
-                    placed.append((start, end, info, tid))
-                    spans.append(_complete(info.name, phase, start - origin, end - start, pid,
-                                           tid, {"op_id": str(info.op_id),
-                                                 "backward_op_id": _str(info.backward_op_id),
-                                                 "type": info.type, "module": info.module,
-                                                 "shapes": info.shapes}))
-                if modules:
-                    for path, start, end, namespace in _module_spans(items):
-                        spans.append(_complete(_join(path, namespace), "module", start - origin,
-                                               end - start, pid, tid,
-                                               {"module": _join(path, namespace)}))
-        spans += self._kernel_spans(placed, origin, pid)
-        spans.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], _RANK[e["cat"]],
-                                  e["args"].get("depth", 0)))
-        arrows = _flow_events(placed, origin, pid) if flows else []
-        return {"traceEvents": meta + spans + arrows, "displayTimeUnit": "ms",
-                "otherData": {"tool": "amanda.tools.profiler.OpProfiler",
-                              "namespaces": namespaces}}
-
-    def _kernel_spans(self, placed, origin, pid):
-        tids = {(info.index, start): tid for start, _, info, tid in placed}
-        spans = []
-        for info, op_start, start, end, name, depth in self.kernel_events:
-            tid = tids.get((info.index, op_start))
-            if tid is not None:
-                spans.append(_complete(name, "kernel", start - origin, end - start, pid, tid,
-                                       {"op": info.name, "depth": depth}))
-        return spans
-
-    def save_chrome_trace(self, path, modules=True, **options):
-        """Write :meth:`chrome_trace` (``options`` are its keyword arguments)
-        as JSON to ``path``; returns the path."""
-        with open(path, "w") as f:
-            json.dump(self.chrome_trace(modules, **options), f)
-        return path
-
-    # -- kernels (PyTorch) -----------------------------------------------------------
-    @contextlib.contextmanager
-    def record_kernels(self, activities=None):
-        """Capture a kernel-level breakdown per op with ``torch.profiler``.
-
-        Inside the block, every op the profiler times runs inside a
-        ``record_function`` range named ``amanda.op#<index>``; when the block
-        ends, the profiler's events are grouped by the range enclosing them.
-        On CPU the groups hold the aten ops each op dispatched to; with a GPU
-        (``ProfilerActivity.CUDA`` is added when CUDA is available) also the
-        CUDA kernels they launched, with their device time.
-
-        Args:
-            activities: ``torch.profiler.ProfilerActivity`` values to record
-                (default: CPU, plus CUDA where available).
-
-        Yields:
-            The ``torch.profiler.profile`` object.
-        """
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-        if activities is None:
-            activities = [ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(ProfilerActivity.CUDA)
-        prof = profile(activities=activities)
-        first = len(self.events)
-        with quiet_kineto():
-            prof.__enter__()
-        try:
-            self._record_function = torch.autograd.profiler.record_function
-            yield prof
-        finally:
-            self._record_function = None
-            for scope in self._ranges.values():   # ops that never finished
-                scope.__exit__(None, None, None)
-            self._ranges.clear()
-            with quiet_kineto():
-                prof.__exit__(None, None, None)
-        ranges = self._group_kernels(prof.events())
-        self._place_kernel_events(ranges, self.events[first:])
-
-    def _group_kernels(self, events):
-        """Group the profiler's events by the op range enclosing them; returns
-        ``{op index: [range events]}``."""
-        ranges = defaultdict(list)
-        for event in events:
-            name = event.name
-            if not name.startswith(RANGE_PREFIX):
-                continue
-            try:
-                index = int(name[len(RANGE_PREFIX):])
-            except ValueError:
-                continue
-            ranges[index].append(event)
-            groups = self._kernels.setdefault(index, {"cpu": {}, "device": {}})
-            for descendant, _ in _descendants(event):
-                # self time: what ran in this event and not in its children,
-                # so the times of an op's events add up to its CPU time
-                _add(groups["cpu"], descendant.name, descendant.self_cpu_time_total)
-                for kernel in getattr(descendant, "kernels", ()) or ():
-                    _add(groups["device"], kernel.name, kernel.duration)
-        return ranges
-
-    def _place_kernel_events(self, ranges, window):
-        """Put the CPU events inside each op's range on amanda's clock, as
-        :attr:`kernel_events`. The n-th range of an op is the n-th execution
-        of that op in ``window``; the profiler's clock is shifted so the range
-        starts with the execution, and events are clipped to the execution
-        (the range encloses amanda's own two clock reads)."""
-        executions = defaultdict(list)
-        for info, start, end in window:
-            executions[info.index].append((start, end))
-        for index, events in ranges.items():
-            info = self.ops[index]
-            events = sorted(events, key=lambda e: e.time_range.start)
-            for event, (start, end) in zip(events, sorted(executions.get(index, ()))):
-                shift = start - int(event.time_range.start * 1e3)
-                for child, depth in _descendants(event):
-                    child_start = max(start, int(child.time_range.start * 1e3) + shift)
-                    child_end = min(end, int(child.time_range.end * 1e3) + shift)
-                    if child_start <= child_end:
-                        self.kernel_events.append((info, start, child_start, child_end,
-                                                   child.name, depth))
-
-    def kernels(self):
-        """Per op, what ran inside it during :meth:`record_kernels`.
-
-        Returns:
-            ``{(phase, op key): {"info": OpInfo, "cpu": {name: {"calls", "us"}},
-            "device": {name: {"calls", "us"}}}}``: ``cpu`` holds the profiler
-            events inside the op's range (aten ops, autograd nodes) with
-            their self CPU time (their children's excluded, so the times add
-            up), ``device`` the GPU kernels launched from inside it (empty
-            without a GPU).
-        """
-        result = {}
-        for index, groups in self._kernels.items():
-            info = self.ops[index]
-            entry = result.setdefault((info.phase, info.key),
-                                      {"info": info, "cpu": {}, "device": {}})
-            for side in ("cpu", "device"):
-                for name, (calls, us) in groups[side].items():
-                    slot = entry[side].setdefault(name, {"calls": 0, "us": 0.0})
-                    slot["calls"] += calls
-                    slot["us"] += us
-        return result
-
-    def kernel_table(self, top=10, side="cpu"):
-        """Text table of the ops with the most kernel time and their kernels.
-
-        Args:
-            top: ops to show.
-            side: ``"cpu"`` (aten ops) or ``"device"`` (GPU kernels).
-        """
-        entries = sorted(self.kernels().values(),
-                         key=lambda e: -sum(k["us"] for k in e[side].values()))
-        lines = []
-        for entry in entries[:top]:
-            info = entry["info"]
-            total = sum(k["us"] for k in entry[side].values())
-            if not entry[side]:
-                continue
-            lines.append(f"{info.phase} {info.name} [{info.module or ''}] {total / 1e3:.3f} ms")
-            for name, k in sorted(entry[side].items(), key=lambda item: -item[1]["us"]):
-                lines.append(f"    {name:<48} x{k['calls']:<4} {k['us'] / 1e3:>9.3f} ms")
-        return "\n".join(lines)
-
-    # -- plotting ----------------------------------------------------------------------
-    def plot_timeline(self, path, title=None, top_types=8, module_depth=4):
-        """Render the recorded events as a timeline PNG with matplotlib.
-
-        One row per module depth (forward spans) above a row of forward ops,
-        then a row of backward ops; ops are coloured by type (the
-        ``top_types`` types with most time; the others grey).
-
-        Args:
-            path: the image file to write.
-            title: the figure title.
-            top_types: how many op types get their own colour.
-            module_depth: module nesting levels drawn above the forward ops.
-
-        Returns:
-            ``path``.
-        """
-        import matplotlib
-        from matplotlib.figure import Figure   # no pyplot: the user's backend is left alone
-        from matplotlib.patches import Patch
-
-        origin = min((start for _, start, _ in self.events), default=0)
-        types = list(self.by_type())[:top_types]
-        palette = matplotlib.colormaps["tab10"]
-        colours = {t: palette(i % 10) for i, t in enumerate(types)}
-        forward = sorted(((s, e, i) for i, s, e in self.events if i.phase == FORWARD),
-                         key=lambda x: x[0])
-        backward = sorted(((s, e, i) for i, s, e in self.events if i.phase == BACKWARD),
-                          key=lambda x: x[0])
-        spans = [sp for sp in _module_spans(forward) if 0 < len(sp[0]) <= module_depth]
-        depths = sorted({len(p) for p, _, _, _ in spans})
-        rows = [f"modules (depth {d})" for d in depths] + ["forward ops", "backward ops"]
-        fig = Figure(figsize=(14, 1.0 + 0.55 * len(rows)))
-        ax = fig.subplots()
-        y_of = {label: len(rows) - 1 - i for i, label in enumerate(rows)}
-        span_ms = self._span_ns(origin) / 1e6
-        for path_parts, start, end, _ in spans:
-            y = y_of[f"modules (depth {len(path_parts)})"]
-            left, width = (start - origin) / 1e6, (end - start) / 1e6
-            ax.broken_barh([(left, width)], (y - 0.35, 0.7), facecolors="#d9d9d9",
-                           edgecolors="#7f7f7f", linewidth=0.4)
-            if width > 0.06 * span_ms:   # label the spans wide enough to read
-                ax.text(left + width / 2, y, path_parts[-1], ha="center", va="center",
-                        fontsize=6, clip_on=True)
-        for label, items in (("forward ops", forward), ("backward ops", backward)):
-            y = y_of[label]
-            bars = [((s - origin) / 1e6, max((e - s) / 1e6, 1e-4)) for s, e, _ in items]
-            faces = [colours.get(info.type, "#bdbdbd") for _, _, info in items]
-            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=faces, linewidth=0)
-        ax.set_yticks([y_of[r] for r in rows])
-        ax.set_yticklabels(rows, fontsize=8)
-        ax.set_xlabel("time (ms)")
-        ax.set_xlim(0, span_ms)
-        legend = [Patch(facecolor=colours[t], label=str(t)) for t in types]
-        legend.append(Patch(facecolor="#bdbdbd", label="other"))
-        below = -0.25 if len(rows) < 5 else -0.15
-        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, below),
-                  ncol=min(len(legend), 9), fontsize=7, frameon=False)
-        ax.set_title(title or "amanda OpProfiler timeline", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=150)
-        return path
-
-    def _span_ns(self, origin):
-        return max((end for _, _, end in self.events), default=origin) - origin
-
     def __repr__(self):
         return (f"OpProfiler({len(self.events)} events, "
                 f"forward {self.total_us('forward') / 1e3:.3f} "
@@ -757,155 +433,6 @@ def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
             with recording, profiler.step():
                 run()
     return steps - 1
-
-
-# -- helpers -------------------------------------------------------------------------------
-
-def _str(value):
-    return None if value is None else str(value)
-
-
-def _complete(name, category, ts_ns, dur_ns, pid, tid, args):
-    return {"name": str(name), "cat": category, "ph": "X", "ts": ts_ns / 1e3,
-            "dur": dur_ns / 1e3, "pid": pid, "tid": tid, "args": args}
-
-
-# order of slices that start together and last as long: the enclosing first
-_RANK = {"step": 0, "module": 1, FORWARD: 2, BACKWARD: 2, "kernel": 3}
-
-
-def _meta(pid, tid, name, args):
-    return {"ph": "M", "pid": pid, "tid": tid, "name": name, "args": args}
-
-
-def _thread_meta(pid, tid, name):
-    return [_meta(pid, tid, "thread_name", {"name": name}),
-            _meta(pid, tid, "thread_sort_index", {"sort_index": tid})]
-
-
-def _flow_events(placed, origin, pid):
-    """Flow events from each forward op execution to the backward op
-    executions it owns: a backward execution pairs with the latest forward
-    execution of its op that started before it. Both ends sit in the middle
-    of their slice, so each binds to it (or to a kernel nested in it) even
-    where a module span starts at the same time. Gradient accumulation is
-    not the forward op's work and gets no arrow."""
-    latest, events = {}, []
-    for start, end, info, tid in sorted(placed, key=lambda p: (p[0], p[1])):
-        middle = (start + end) / 2 - origin
-        if info.phase == FORWARD:
-            latest[info.op_id] = (middle, tid)
-            continue
-        source = latest.get(info.op_id)
-        if source is None or info.type == ACCUMULATE_GRAD:
-            continue
-        flow_id = len(events) // 2 + 1
-        events.append({"ph": "s", "id": flow_id, "pid": pid, "tid": source[1],
-                       "ts": source[0] / 1e3, "name": "fwdbwd", "cat": "fwdbwd"})
-        events.append({"ph": "f", "bp": "e", "id": flow_id, "pid": pid, "tid": tid,
-                       "ts": middle / 1e3, "name": "fwdbwd", "cat": "fwdbwd"})
-    return events
-
-
-def _parts(module, namespace):
-    """Components of a module path: dotted in PyTorch, name scopes in TF."""
-    if not module:
-        return ()
-    separator = "/" if namespace.startswith("tensorflow") else "."
-    return tuple(module.split(separator))
-
-
-def _join(parts, namespace):
-    separator = "/" if namespace.startswith("tensorflow") else "."
-    return separator.join(parts)
-
-
-def _lanes(items):
-    """Split ``(start, end, info)`` items (sorted by start) into lanes of
-    non-overlapping items, greedily: an item goes to the first lane that is
-    free at its start."""
-    lanes, ends = [], []
-    for item in items:
-        for i, end in enumerate(ends):
-            if end <= item[0]:
-                lanes[i].append(item)
-                ends[i] = item[1]
-                break
-        else:
-            lanes.append([item])
-            ends.append(item[1])
-    return lanes
-
-
-def _module_spans(items):
-    """Module spans over a lane of ``(start, end, info)`` items in time order.
-
-    Each maximal run of consecutive items whose module path starts with a
-    prefix gives one span of that prefix, from the run's first start to its
-    last end; spans of longer prefixes nest inside shorter ones.
-
-    Returns:
-        ``(path components, start, end, namespace)`` tuples.
-    """
-    spans, stack = [], []    # stack entries: [components, start, end, namespace]
-    for start, end, info in items:
-        parts = _parts(info.module, info.namespace)
-        keep = 0
-        while keep < len(stack) and keep < len(parts) and stack[keep][0] == parts[:keep + 1]:
-            keep += 1
-        while len(stack) > keep:
-            spans.append(tuple(stack.pop()))
-        for depth in range(keep, len(parts)):
-            stack.append([parts[:depth + 1], start, end, info.namespace])
-        for entry in stack:
-            entry[2] = max(entry[2], end)
-    spans.extend(tuple(entry) for entry in reversed(stack))
-    return spans
-
-
-def _add(table, name, us):
-    slot = table.setdefault(name, [0, 0.0])
-    slot[0] += 1
-    slot[1] += float(us)
-
-
-def _descendants(event):
-    """Every profiler event below ``event``, with its depth (1: a child)."""
-    stack = [(child, 1) for child in event.cpu_children]
-    while stack:
-        child, depth = stack.pop()
-        yield child, depth
-        stack.extend((grandchild, depth + 1) for grandchild in child.cpu_children)
-
-
-@contextlib.contextmanager
-def quiet_kineto():
-    """Keep kineto's status lines (``USDT: ... profiler_start``, ``STAGE: ...``),
-    which it writes straight to file descriptor 2 when ``torch.profiler``
-    starts and stops, off the user's terminal; anything else written to
-    stderr meanwhile is passed on when the block ends."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):   # no usable fd 2: nothing to filter
-        yield
-        return
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            try:
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            kept = [line for line in sink.read().splitlines(keepends=True)
-                    if not line.startswith((b"USDT:", b"STAGE:"))]
-            if kept:
-                os.write(2, b"".join(kept))
 
 
 def _render_docs_figure(path):
