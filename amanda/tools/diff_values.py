@@ -1,0 +1,53 @@
+"""Running an ONNX model for its intermediate tensors, and comparing two
+values: what both numeric diffs (:mod:`amanda.tools.diff`, PyTorch vs ONNX;
+:mod:`amanda.tools.diff_tf`, TensorFlow vs ONNX) share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["onnx_tensor_values"]
+
+_ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx writes 14
+
+
+def onnx_tensor_values(model, feeds, names=()):
+    """Run an ONNX model in onnxruntime and return intermediate tensors too.
+
+    onnxruntime only returns a model's declared outputs; the named tensors are
+    declared as extra outputs of a copy (the model is not modified).
+
+    Args:
+        model: an ``onnx.ModelProto``.
+        feeds: input name -> array.
+        names: names of node outputs to return besides the model's outputs.
+
+    Returns:
+        A dict tensor name -> array holding the model's outputs and ``names``.
+    """
+    import onnx
+    import onnxruntime as ort
+    probed = onnx.ModelProto()
+    probed.CopyFrom(model)
+    probed.ir_version = min(probed.ir_version, _ORT_IR_VERSION)
+    declared = {o.name for o in probed.graph.output}
+    wanted = [o.name for o in model.graph.output]
+    for name in names:
+        if name not in declared:
+            probed.graph.output.append(onnx.ValueInfoProto(name=name))
+            declared.add(name)
+            wanted.append(name)
+    session = ort.InferenceSession(probed.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return dict(zip(wanted, session.run(wanted, feeds)))
+
+
+def _errors(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    diff = np.abs(a - b)
+    return float(diff.max(initial=0.0)), float((diff / (np.abs(a) + 1e-12)).max(initial=0.0))
+
+
+def _close(a, b, rtol, atol):
+    return np.shape(a) == np.shape(b) and np.allclose(a, b, rtol=rtol, atol=atol)
