@@ -189,6 +189,25 @@ class OpContext(dict):
         """Records the IR op and graph the context is about (backends only)."""
         self._ir_op, self._graph = op, graph
 
+    def _set_graph(self, graph):
+        """Records the IR graph a trace is building while the op runs (backends only)."""
+        self._graph = graph
+
+    def _set_recomputation(self, flag):
+        """Whether this execution recomputes a checkpointed segment (backends only)."""
+        self._recomputation = flag
+
+    def _recording_for(self, tool, routine):
+        """Analysis by ``routine`` of ``tool`` starts: actions may be recorded
+        and errors name them (the tool session only)."""
+        self._recording = True
+        self._tool, self._routine = tool, routine
+
+    def _stop_recording(self):
+        """Analysis is over: a context kept and used later raises instead of
+        dropping what it records."""
+        self._recording = False
+
     def _available(self, slot, what):
         value = getattr(self, slot)
         if value is _NOT_AVAILABLE:

@@ -37,6 +37,30 @@ def disabled():
     return _switch("disabled", True)
 
 
+class muted:
+    """amanda's own work runs uninstrumented: analysis and instrumentation
+    routines, rewrite rules, ``evaluate`` probes.
+
+    The same switch as `disabled`, for the runtimes: a small class rather
+    than a generator so that it is cheap enough for a per-routine call
+    (one per instrumentation point). Every runtime uses it instead of
+    saving and restoring ``state.disabled`` by hand, so the rule "amanda
+    never instruments itself, and leaves the switch as it found it, also
+    on errors" lives here.
+    """
+
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        self.saved = state.disabled
+        state.disabled = True
+        return self
+
+    def __exit__(self, *exc):
+        state.disabled = self.saved
+        return False
+
+
 def enabled():
     """Re-enable instrumentation inside an ``amanda.disabled()`` scope."""
     return _switch("disabled", False)

@@ -54,12 +54,8 @@ def instrument(program, *tools):
                            f"(supported: {', '.join(sorted(_INSTRUMENTERS))} programs)")
     module, function = entry
     session = session_for(tools)
-    state = controls.state
-    saved, state.disabled = state.disabled, True   # analysis calls are not instrumented
-    try:
+    with controls.muted():   # analysis calls are not instrumented
         return getattr(importlib.import_module(module), function)(program, session)
-    finally:
-        state.disabled = saved
 
 
 def instrument_ir(graph, session):

@@ -169,10 +169,9 @@ class Session:
         Tool exceptions become :class:`ToolError` naming tool, routine, op and
         namespace, with the original exception chained.
         """
-        context._recording = True
         try:
             for tool, routine in self.routines[point]:
-                context._tool, context._routine = tool, routine
+                context._recording_for(tool, routine)
                 try:
                     routine(context)
                 except AmandaError:
@@ -182,9 +181,7 @@ class Session:
                                     tool=tool, routine=routine, op_name=context._op_name,
                                     op_id=context._op_id, namespace=context.namespace) from exc
         finally:
-            # Actions are recorded only while analysis runs: a context kept
-            # and used later raises instead of dropping what it records.
-            context._recording = False
+            context._stop_recording()
 
 
 def session_for(tools):

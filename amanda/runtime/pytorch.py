@@ -863,22 +863,19 @@ def _invoke(action, selected, where, meta=_meta):
     disabled meanwhile: a routine's own torch calls are not instrumented
     (inside the mode's handler torch has popped the mode already; the flag
     covers backward hooks)."""
-    state = _CONTROLS
-    saved, state.disabled = state.disabled, True
-    grad = _grad_enabled()
-    switch = grad and not action.ad
+    switch = not action.ad and _grad_enabled()
     if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     try:
-        guard = EXPORTING.guard
-        if guard is not None:
-            with guard(action, selected, where):
-                return call_routine(action, selected, _is_tensor, where, meta)
-        return call_routine(action, selected, _is_tensor, where, meta)
+        with controls.muted():
+            guard = EXPORTING.guard
+            if guard is not None:
+                with guard(action, selected, where):
+                    return call_routine(action, selected, _is_tensor, where, meta)
+            return call_routine(action, selected, _is_tensor, where, meta)
     finally:
         if switch:
             _set_grad_enabled(True)
-        state.disabled = saved
 
 
 def _apply_actions(actions, values, where):
@@ -904,12 +901,8 @@ def _apply_actions(actions, values, where):
 
 
 def _analyse(session, point, context, record):
-    state = controls.state
-    saved, state.disabled = state.disabled, True
-    try:
+    with controls.muted():
         session.analyse(point, context)
-    finally:
-        state.disabled = saved
     take_actions(context, record)
 
 
@@ -927,9 +920,9 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if not record.pre_done:
         context = record.get_context()
         context._set_values(inputs=tensors)
-        context._recomputation = _in_backward() != -1
+        context._set_recomputation(_in_backward() != -1)
         if trace is not None:
-            context._graph = trace.graph
+            context._set_graph(trace.graph)
         try:
             _analyse(session, FORWARD_BEFORE, context, record)
         finally:
@@ -964,7 +957,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         context = record.get_context()
         context._set_values(inputs=tensors, outputs=outputs)
         if trace is not None:
-            context._graph, context._ir_op = trace.graph, ir_op
+            context._set_ir(ir_op, trace.graph)
         try:
             _analyse(session, FORWARD_AFTER, context, record)
         finally:
@@ -1093,20 +1086,17 @@ def _replace(action, selected, where):
 
 
 def _run_replacement(action, selected, where):
-    state = controls.state
-    saved, state.disabled = state.disabled, True
     try:
-        if action.ad:
-            return action.func(*selected, **action.kwargs)
-        with torch.no_grad():
-            return action.func(*selected, **action.kwargs)
+        with controls.muted():
+            if action.ad:
+                return action.func(*selected, **action.kwargs)
+            with torch.no_grad():
+                return action.func(*selected, **action.kwargs)
     except Exception as exc:
         op_name, op_id, namespace = where
         raise ToolError(f"replace_op routine raised {type(exc).__name__}: {exc}",
                         tool=action.tool, routine=action.func, op_name=op_name,
                         op_id=op_id, namespace=namespace) from exc
-    finally:
-        state.disabled = saved
 
 
 # -- backward ops -----------------------------------------------------------------
@@ -1203,11 +1193,11 @@ def _backward_pre(hooks, grad_outputs):
         return None
     if not brec.pre_done:
         context = _backward_context(brec)
-        context._grad_outputs = grad_outputs
+        context._set_values(grad_outputs=grad_outputs)
         try:
             _analyse(session, BACKWARD_BEFORE, context, brec)
         finally:
-            context._grad_outputs = None
+            context._set_values(grad_outputs=None)
         brec.pre_done = True
         brec.parent.refresh()
     if brec.before:
@@ -1223,11 +1213,11 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
         return None
     if not brec.post_done:
         context = _backward_context(brec)
-        context._grad_outputs, context._grad_inputs = grad_outputs, grad_inputs
+        context._set_values(grad_outputs=grad_outputs, grad_inputs=grad_inputs)
         try:
             _analyse(session, BACKWARD_AFTER, context, brec)
         finally:
-            context._grad_outputs = context._grad_inputs = None
+            context._set_values(grad_outputs=None, grad_inputs=None)
         brec.post_done = True
         brec.parent.refresh()
     values, changed = list(grad_inputs), False

@@ -159,13 +159,10 @@ class CapturedProgram:
         return program
 
     def _instrumented_graph(self, session):
-        saved, controls.state.disabled = controls.state.disabled, True
-        try:
+        with controls.muted():
             plan = run_instrumentation_pass(self.graph, session, TorchGraphBackend(self._fx_nodes))
             if session.requires_graph:  # graph tools get the whole graph, as on the other graph backends
                 session.graph_completed(self.graph)
-        finally:
-            controls.state.disabled = saved
         return lower_actions(self.graph, plan)
 
     def structural_hash(self):
