@@ -68,3 +68,10 @@ class NotInstrumentedWarning(UserWarning):
     """Part of the user's program runs without its own points (a limit of a
     backend, e.g. ops inside TensorFlow function bodies): amanda says so
     rather than report counts that silently leave it out."""
+
+
+class NotBitExactWarning(UserWarning):
+    """The instrumented program may compute other bits than the plain one
+    for a reason of the backend (e.g. TensorFlow's Grappler rewrites float
+    expressions that routines between ops break up). The warning names the
+    settings at which outputs are bit-identical."""

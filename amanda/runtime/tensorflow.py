@@ -44,7 +44,8 @@ from tensorflow.python.util import nest
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
 from amanda import controls, portable
-from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning, ToolError
+from amanda.errors import (AmandaError, BackendError, NotBitExactWarning, NotInstrumentedWarning,
+                           ToolError)
 from amanda.ir import Graph
 from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
@@ -453,7 +454,10 @@ class _GraphRewrite:
             FuncGraph of a wrapped function).
     """
 
-    def __init__(self, user_graph, amanda_session, copy):
+    def __init__(self, user_graph, amanda_session, copy, rewrites=None):
+        self.rewrites = rewrites    # () -> the Grappler options the copy runs under
+        self.hosted = False         # a Python routine sits between two ops
+        self.warned_exact = False
         self.user_graph = user_graph
         self.amanda_session = amanda_session
         self.copy = copy
@@ -494,7 +498,35 @@ class _GraphRewrite:
         self._import_new_ops()
         self._realise(lowered)
         self.version = version
+        self._warn_inexact()
         return True
+
+    def _warn_inexact(self):
+        """Say once that Grappler may compute the copy's floats in another
+        order than the plain graph's (docs/tensorflow.md, Bit-exactness).
+
+        Grappler's arithmetic optimizer re-associates chains of ``Mul``/``Add``
+        and its constant folding folds ``c1 * (c2 * x)``; a hosted routine
+        between two ops of such a chain (even one that returns None) keeps
+        them apart, so the last bits may differ. Portable routines are TF ops
+        and Grappler sees through them. Nothing is said when both rewrites
+        are off."""
+        if self.warned_exact or not self.hosted or self.rewrites is None:
+            return
+        on = [name for name, enabled in self.rewrites().items() if enabled]
+        if not on:
+            return
+        self.warned_exact = True
+        warnings.warn(
+            "amanda (TensorFlow): Python routines sit between the graph's ops; Grappler's "
+            f"{' and '.join(on)} rewrite float expressions of the plain graph that the "
+            "routines keep apart, so outputs may differ from an uninstrumented run in the "
+            "last bits, even with routines that return None. They are bit-identical with "
+            "those rewrites off (rewrite_options.arithmetic_optimization / constant_folding "
+            "= OFF in the session config; tf.config.optimizer.set_experimental_options("
+            "{'arithmetic_optimization': False, 'constant_folding': False}) for "
+            "tf.function), or with portable routines. See docs/tensorflow.md, Bit-exactness.",
+            NotBitExactWarning, stacklevel=_user_stacklevel())
 
     def _warn_bodies(self, ir_graph):
         """Say, once per call op, that the ops in its function bodies are not
@@ -611,6 +643,7 @@ class _GraphRewrite:
             raise BackendError(f"replace routine of {where[1]!r}: TensorFlow can only host "
                                "routines over numeric tensors, not resource handles")
         name = f"amanda/{action.kind}"
+        self.hosted = True
         if replacing:
             func = _replacer(action, where, [t.shape for t in like],
                              [t.dtype.as_numpy_dtype for t in like])
@@ -792,7 +825,9 @@ class _Shadow:
     def __init__(self, user_session, session):
         self.user_session = user_session
         self.user_graph = user_session.graph
-        self.rewrite = _GraphRewrite(self.user_graph, session, tf.Graph())
+        config = user_session._config
+        self.rewrite = _GraphRewrite(self.user_graph, session, tf.Graph(),
+                                     lambda: _session_rewrites(config))
         self.copy = self.rewrite.copy
         self.session = None
         self.sync = _VariableSync(self)
@@ -1031,6 +1066,28 @@ def _sync_ops(var, dtype):
     return value, assign, reader
 
 
+_EXACTNESS_REWRITES = ("arithmetic_optimization", "constant_folding")
+
+
+def _session_rewrites(config):
+    """{rewrite: on?} for the Grappler rewrites that break bit-exactness,
+    under a session's ``ConfigProto`` (None: TF's defaults, all on)."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    options = config.graph_options.rewrite_options if config is not None else None
+    if options is not None and options.disable_meta_optimizer:
+        return dict.fromkeys(_EXACTNESS_REWRITES, False)
+    off = rewriter_config_pb2.RewriterConfig.OFF
+    return {name: options is None or getattr(options, name) != off for name in _EXACTNESS_REWRITES}
+
+
+def _function_rewrites():
+    """The same for functions, from ``tf.config.optimizer``'s options."""
+    options = tf.config.optimizer.get_experimental_options()
+    if options.get("disable_meta_optimizer"):
+        return dict.fromkeys(_EXACTNESS_REWRITES, False)
+    return {name: options.get(name, True) for name in _EXACTNESS_REWRITES}
+
+
 class _FunctionCopy:
     """An instrumented copy of a concrete function's graph, callable with the
     same flat inputs (captured variables are fed by handle: same state)."""
@@ -1038,7 +1095,8 @@ class _FunctionCopy:
     def __init__(self, function, session):
         self.function = function
         self.wrapped = tf.compat.v1.wrap_function(lambda: None, [])
-        self.rewrite = _GraphRewrite(function.graph, session, self.wrapped.graph)
+        self.rewrite = _GraphRewrite(function.graph, session, self.wrapped.graph,
+                                     _function_rewrites)
         self.pruned = None
 
     def call(self, flat_inputs):
