@@ -1,0 +1,392 @@
+"""The routine host: Python routines called from inside onnxruntime.
+
+A routine that does not lower to ONNX nodes runs as custom ops of
+``onnxruntime-extensions`` (domain `CALLBACK_DOMAIN`): ``AmandaPut_<dtype>``
+nodes hand each tensor to Python, ``AmandaCall`` runs the routine (a
+`_Callback`: its result checks, its errors kept instead of crossing into
+onnxruntime), ``AmandaGet_<dtype>`` nodes hand its results back. The nodes
+are written by :mod:`amanda.runtime.onnx_routine_nodes`; this module is
+their other side: the op catalog registered once per process, the hand-off
+along token chains (safe for concurrent runs of one session), the routine
+errors re-raised by the run that met them (`_checked_run`), `current_run`
+for routines that pair events within a run, and the sessions that can host
+routines (`session_options`, `inference_session`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+import onnxruntime as ort
+
+from amanda.errors import AmandaError, BackendError, ToolError
+from amanda.frontends.onnx import load_model
+from amanda.runtime.routines import call_routine
+
+#: Domain of the custom ops that host Python routines.
+CALLBACK_DOMAIN = "ai.onnx.contrib"
+
+#: onnxruntime's own ``InferenceSession.__init__``, taken when amanda's ONNX
+#: runtime is first imported (before the driver can patch it): every session
+#: amanda creates for itself is built with it, never with the patched one.
+_original_init = ort.InferenceSession.__init__
+
+
+# -- Python routines hosted by onnxruntime-extensions -------------------------------------
+#
+# onnxruntime-extensions keeps its Python op definitions in a table that
+# sessions point into; adding definitions after a session registered the
+# library can leave those pointers dangling (the process crashes). So amanda
+# registers one fixed catalog, once, before its first use: per dtype an
+# ``AmandaPut_<dtype>`` (tensor, token -> token) and an ``AmandaGet_<dtype>``
+# (token -> tensor), and one ``AmandaCall`` (token -> token). Its own
+# invocation hook hands arrays back without the extensions' list conversion
+# (that costs ~0.4 s per million elements); other ops keep the default hook.
+
+
+def _hosted_dtypes():
+    from onnxruntime_extensions import PyCustomOpDef as P
+    # float16 and bfloat16 are not supported by the extensions' Python ops
+    return {"float32": P.dt_float, "float64": P.dt_double, "int8": P.dt_int8,
+            "int16": P.dt_int16, "int32": P.dt_int32, "int64": P.dt_int64, "uint8": P.dt_uint8,
+            "uint16": P.dt_uint16, "uint32": P.dt_uint32, "uint64": P.dt_uint64,
+            "bool": P.dt_bool}
+
+
+_HOSTED_DTYPES = _hosted_dtypes()
+_CATALOG = {}          # op id (of the extensions) -> (op definition, dtype of its output)
+_CALLBACKS = {}        # key attribute -> _Callback
+_KEYS = itertools.count(1)
+_LOCK = threading.Lock()
+
+# The hand-off. A routine's tensors travel AmandaPut -> AmandaCall ->
+# AmandaGet along a chain of int64 scalar *tokens*. Every chain starts at the
+# constant 0 ("amanda.trigger"); the first host node of a chain that sees 0
+# draws a fresh chain id and passes it on as its token, and everything the
+# chain stashes is keyed by that id. So concurrent runs of one session
+# (several Python threads, or onnxruntime's inter-op pool) never see each
+# other's tensors, and the hot path takes no lock: dict operations on
+# distinct keys and ``next`` on a counter are atomic under the GIL.
+_CHAINS = itertools.count(1)
+_STASH = {}            # chain id -> {slot: array} handed over by AmandaPut nodes
+# (chain id, routine key) -> {slot: array} left for AmandaGet nodes (each pops
+# its own); keyed by routine too, since one chain threads every routine of a
+# run and the next routine may be called before this one's results are taken
+_RESULTS = {}
+#: Slot of an AmandaPut that only orders the chain after a tensor (the value
+#: is not handed to the routine).
+ORDER_SLOT = "order"
+
+# Routine errors met inside onnxruntime, raised again by the run that met
+# them: keyed by the thread that called ``run`` (onnxruntime's sequential
+# executor runs every node on it); errors met on a pool thread (parallel
+# execution mode) cannot be told apart and go to the next run that finishes.
+_failures = {}         # thread ident -> first error met during its current run
+_orphans = []          # errors met on threads that are not running a checked run
+_in_run = set()        # idents of threads inside a checked run
+
+
+def _chain(token):
+    chain = int(token)
+    return chain if chain else next(_CHAINS)
+
+
+def _put(value, token, key):
+    chain = _chain(token)
+    slot = key.rpartition(":")[2]
+    if slot != ORDER_SLOT:
+        _STASH.setdefault(chain, {})[int(slot)] = value
+    return np.array(chain, np.int64)
+
+
+def _call(token, key):
+    chain = _chain(token)
+    arrays = _STASH.pop(chain, {})
+    callback = _CALLBACKS[key]
+    results = callback([arrays.get(i) for i in range(len(callback.hosted))])
+    if results:   # AmandaGet nodes follow and take them
+        _RESULTS[chain, key] = dict(enumerate(results))
+    return np.array(chain, np.int64)
+
+
+def _get(token, key):
+    routine, _, slot = key.rpartition(":")
+    where = (int(token), routine)
+    results = _RESULTS[where]
+    value = results.pop(int(slot))
+    if not results:
+        _RESULTS.pop(where, None)
+    return value
+
+
+def _fail(error):
+    """Keep a routine error for the run that met it."""
+    ident = threading.get_ident()
+    if ident in _in_run:
+        _failures.setdefault(ident, error)
+    else:
+        with _LOCK:
+            _orphans.append(error)
+
+
+def _take_failure(ident):
+    failure = _failures.pop(ident, None)
+    if failure is None and _orphans:
+        with _LOCK:
+            if _orphans:
+                failure = _orphans[0]
+                _orphans.clear()
+    return failure
+
+
+def _catalog():
+    """Register the host ops (once per process)."""
+    with _LOCK:
+        if _CATALOG:
+            return
+        from onnxruntime_extensions import PyCustomOpDef, onnx_op
+        key = {"key": PyCustomOpDef.dt_string}
+        token = PyCustomOpDef.dt_int64
+        defs = [(onnx_op(op_type="AmandaCall", inputs=[token], outputs=[token], attrs=key)(_call),
+                 "int64")]
+        for dtype, code in _HOSTED_DTYPES.items():
+            defs.append((onnx_op(op_type=f"AmandaPut_{dtype}", inputs=[code, token],
+                                 outputs=[token], attrs=key)(_put), "int64"))
+            defs.append((onnx_op(op_type=f"AmandaGet_{dtype}", inputs=[token], outputs=[code],
+                                 attrs=key)(_get), dtype))
+        for opdef, dtype in defs:
+            _CATALOG[opdef._id] = (opdef, np.dtype(dtype))
+        _install_hook()
+
+
+def _install_hook():
+    try:
+        from onnxruntime_extensions import PyCustomOpDef
+        from onnxruntime_extensions._ocos import _on_pyop_invocation
+    except ImportError:   # a layout we do not know: keep the default hook
+        return
+
+    def invoke(op_id, feed, attributes):
+        entry = _CATALOG.get(op_id)
+        if entry is None:
+            return _on_pyop_invocation(op_id, feed, attributes)
+        opdef, dtype = entry
+        try:
+            result = np.require(opdef.body(*feed, **attributes), requirements="C")
+        except BaseException as exc:   # noqa: BLE001 - an exception here aborts the process
+            error = BackendError(f"amanda's host op {opdef.op_type} ({attributes.get('key')}) "
+                                 f"failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            _fail(error)
+            result = np.zeros((), dtype)
+        return op_id, result.shape, result.reshape(-1)
+
+    PyCustomOpDef.install_hooker(invoke)
+
+
+def _register_callback(callback):
+    key = f"amanda.{next(_KEYS)}"
+    _CALLBACKS[key] = callback
+    return key
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _meta(array):
+    """(shape, dtype) of a routine's argument or result, for replacement checks."""
+    array = np.asarray(array)
+    return tuple(array.shape), array.dtype.name
+
+
+class _Callback:
+    """Calls one action's routine from inside onnxruntime.
+
+    An exception must not cross into onnxruntime (the extensions' host
+    aborts the process): it is kept, the inputs are passed on, and the run
+    that called it raises it (see `inference_session`).
+
+    Args:
+        action, where: the action and ``(op type, op id, namespace)``.
+        count: how many tensors the routine selects.
+        hosted: positions among them that reach Python (others are None).
+        out_dtypes: dtypes of the results AmandaGet nodes produce.
+        replacing: the action replaces the op.
+        observe: the routine only looks: nothing reads its results (a side
+            branch of the graph), so it returns nothing to onnxruntime.
+    """
+
+    def __init__(self, action, where, count, hosted, out_dtypes, replacing, observe=False):
+        self.action = action
+        self.where = where
+        self.count = count
+        self.hosted = hosted
+        self.out_dtypes = [np.dtype(d) for d in out_dtypes]
+        self.replacing = replacing
+        self.observe = observe
+
+    def __call__(self, arrays):
+        try:
+            return self._run(arrays)
+        except BaseException as exc:   # noqa: BLE001 - must not reach onnxruntime
+            if isinstance(exc, AmandaError):
+                error = exc
+            else:
+                error = ToolError(f"instrumentation routine ({self.action.kind}) failed: "
+                                  f"{type(exc).__name__}: {exc}", tool=self.action.tool,
+                                  routine=self.action.func, op_name=self.where[0],
+                                  op_id=self.where[1], namespace=self.where[2])
+                error.__cause__ = exc
+            _fail(error)
+            if self.observe:
+                return None
+            if self.replacing:
+                return [np.zeros((), d) for d in self.out_dtypes]
+            return list(arrays)
+
+    def look(self, arrays):
+        """Call an observe-only routine on read-only views (see `_FetchPlan`).
+
+        Raises:
+            ToolError: the routine raised; writing into a view is named as such.
+        """
+        values = [None] * self.count
+        for i, array in zip(self.hosted, arrays):
+            values[i] = array
+        try:
+            call_routine(self.action, values, _is_array, self.where)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValueError) and "read-only" in str(cause):
+                raise ToolError(
+                    f"instrumentation routine ({self.action.kind}) wrote into a tensor it "
+                    "observes: a routine that only returns None receives read-only views of "
+                    "onnxruntime's own buffers, not copies. Copy the array to change it "
+                    "(numpy.array(x)), or return a new array to replace the value",
+                    tool=self.action.tool, routine=self.action.func, op_name=self.where[0],
+                    op_id=self.where[1], namespace=self.where[2]) from cause
+            raise
+
+    def _run(self, arrays):
+        if self.replacing:
+            values = list(arrays)
+        else:
+            values = [None] * self.count
+            for i, array in zip(self.hosted, arrays):
+                values[i] = array
+        if self.observe:
+            call_routine(self.action, values, _is_array, self.where)
+            return None
+        if self.replacing:
+            result = call_routine(self.action, values, _is_array, self.where)
+            if result is None or any(r is None for r in result) or \
+                    len(result) != len(self.out_dtypes):
+                raise ToolError(f"instrumentation routine ({self.action.kind}) must return "
+                                f"{len(self.out_dtypes)} arrays as it replaces the op",
+                                tool=self.action.tool, routine=self.action.func,
+                                op_name=self.where[0], op_id=self.where[1],
+                                namespace=self.where[2])
+            for position, (r, d) in enumerate(zip(result, self.out_dtypes)):
+                if np.asarray(r).dtype != d:
+                    raise ToolError(f"instrumentation routine ({self.action.kind}) returned "
+                                    f"dtype {np.asarray(r).dtype} for output {position}, which "
+                                    f"has dtype {d}; a replacement keeps the dtype",
+                                    tool=self.action.tool, routine=self.action.func,
+                                    op_name=self.where[0], op_id=self.where[1],
+                                    namespace=self.where[2])
+            return [np.asarray(r) for r in result]
+        result = call_routine(self.action, values, _is_array, self.where, meta=_meta)
+        if result is None:
+            return list(arrays)
+        return [array if result[i] is None else np.asarray(result[i])
+                for i, array in zip(self.hosted, arrays)]
+
+
+_runs = threading.local()
+
+
+def current_run():
+    """``(thread ident, serial)`` of the run the calling thread is inside.
+
+    For routines that pair events within one run (e.g. a profiler's start
+    and stop): onnxruntime's sequential executor calls hosted routines on
+    the thread that called ``run``; the serial counts that thread's runs.
+    """
+    return threading.get_ident(), getattr(_runs, "serial", 0)
+
+
+def _checked_run(run):
+    """``run`` re-raising the first error a hosted routine met during it.
+
+    The routine's error is raised with its own cause chained; when
+    onnxruntime failed too (e.g. on a bad replacement), its error is the
+    context.
+    """
+    def checked(*args, **kwargs):
+        ident = threading.get_ident()
+        _failures.pop(ident, None)
+        _in_run.add(ident)
+        _runs.serial = getattr(_runs, "serial", 0) + 1
+        try:
+            result = run(*args, **kwargs)
+        except Exception:
+            _in_run.discard(ident)
+            failure = _take_failure(ident)
+            if failure is not None:
+                raise failure   # noqa: B904 - onnxruntime's error stays as __context__
+            raise
+        _in_run.discard(ident)
+        failure = _take_failure(ident)
+        if failure is not None:
+            raise failure
+        return result
+    checked.__wrapped__ = run
+    return checked
+
+
+# Options the extensions' library was registered into; kept alive (sessions
+# made with them point into the library's state), registered once each.
+_registered_options = []
+_default_options = []
+
+
+def session_options(options=None):
+    """``SessionOptions`` able to run models with hosted Python routines.
+
+    Args:
+        options: options to extend (the extensions' op library is registered
+            into them once, and amanda keeps a reference to them), or None for
+            amanda's shared default options.
+    """
+    from onnxruntime_extensions import get_library_path
+    _catalog()   # before any registration: the op table must not grow afterwards
+    with _LOCK:
+        if options is None:
+            if not _default_options:
+                _default_options.append(ort.SessionOptions())
+            options = _default_options[0]
+        if not any(o is options for o in _registered_options):
+            options.register_custom_ops_library(get_library_path())
+            _registered_options.append(options)
+    return options
+
+
+def inference_session(model, sess_options=None, providers=None, **kwargs):
+    """An ``onnxruntime.InferenceSession`` for a model from `amanda.instrument`.
+
+    Registers the host of Python routines and makes ``run`` raise the
+    amanda error a routine met (instead of onnxruntime's).
+
+    Args:
+        model: an ``onnx.ModelProto``, its bytes or a path.
+        sess_options, providers, **kwargs: as for ``InferenceSession``.
+    """
+    data = load_model(model).SerializeToString()
+    session = ort.InferenceSession.__new__(ort.InferenceSession)
+    _original_init(session, data, session_options(sess_options),
+                   providers or ["CPUExecutionProvider"], **kwargs)
+    session.run = _checked_run(session.run)
+    return session

@@ -1,0 +1,384 @@
+"""Observe-only routines: side branches on the graph onnxruntime optimised,
+and the zero-copy fetch path.
+
+When every routine of a session only looks, the model's own nodes stay those
+onnxruntime optimised for the plain session (`_SideBranches`): outputs are
+bit-identical. By default the observed tensors are then fetched as extra
+outputs of ``session.run`` and the routines are called after it on
+read-only views of onnxruntime's buffers (`_FetchPlan`, `_fetch_for`);
+inside `hosted_observation` they run as host nodes during the run instead.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from amanda.errors import BackendError
+from amanda.passes.lower_actions import ROUTINE
+from amanda.runtime import swapped
+from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
+                                        _holding_node, _hosts_routines, _sort_nodes)
+from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
+                                      _register_callback)
+from amanda.runtime.onnx_lowering import _Lowering
+
+
+class _NotSide(Exception):
+    """A side branch cannot be attached to the optimised graph."""
+
+
+class _SideBranches(_Lowering):
+    """Observe-only routines attached to the graph onnxruntime optimised.
+
+    When every routine only looks, the model onnxruntime runs is the one it
+    optimised itself at the user's level (``optimized``), plus side
+    branches: the routines' Put/Call nodes read the optimised graph's
+    tensors by name, and nothing reads their results. Run with optimisations
+    off, the model's own nodes are exactly those the plain session runs, so
+    outputs are bit-identical. A tensor the optimiser fused away is
+    recomputed for the routine by a copy of the user's nodes that produce
+    it, off the main dataflow.
+
+    Routines of If/Loop/Scan bodies go into the optimised copy of their body,
+    found through the holding node (same op type and outputs: onnxruntime
+    keeps the outputs of nodes it does not fuse away); a fused-away body
+    tensor is recomputed inside that body, an enclosing graph's one in the
+    enclosing graph (bodies read enclosing values by name).
+
+    Args:
+        graph: the lowered IR graph (``amanda.routine`` ops in it).
+        model: the user's ``ModelProto``.
+        optimized: the ``ModelProto`` onnxruntime wrote after optimising it.
+
+    Raises:
+        _NotSide: (from `model`) a routine reads a tensor that cannot be
+            recomputed, or a body's holding node is gone from the optimised
+            graph; the routines then run in the user's graph.
+    """
+
+    def __init__(self, graph, model, optimized, fetch=False):
+        super().__init__(graph, callbacks=True)
+        self.fetch = fetch
+        self.fetched = []   # (routine key, names of its tensors), in program order
+        self._declared = set()
+        self.copied = set()   # initializers copied back in for routines (see resolve)
+        self.plan = None
+        self.result = onnx.ModelProto()
+        self.result.CopyFrom(optimized)
+        self.original = model
+        proto = self.result.graph
+        # onnxruntime drops initializers it folded but keeps their graph
+        # inputs (IR < 4 lists every initializer as an input): give them
+        # their values back, or the model would require them as feeds
+        weights = {i.name: i for i in model.graph.initializer}
+        present = {i.name for i in proto.initializer}
+        for declared in proto.input:
+            if declared.name not in present and declared.name in weights:
+                proto.initializer.add().CopyFrom(weights[declared.name])
+        _collect_proto_names(proto, self.used)
+        self.scope = None
+
+    def model(self):
+        outputs = [o.name for o in self.result.graph.output]
+        self._attach(self.top, self.result.graph, self.original.graph)
+        if self.fetch:
+            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
+            _drop_unread_initializers(self.result.graph, self.copied)
+        # side-branch nodes were appended; onnxruntime wants nodes that
+        # produce a value a body reads (a token) listed before the body's node
+        _sort_nodes(self.result.graph)
+        if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
+            self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
+        return self.result
+
+    def _attach(self, ir_graph, proto, original):
+        """Attach the routines of ``ir_graph`` to ``proto`` (its optimised
+        version; ``original`` is the user's)."""
+        saved = self._enter_graph(ir_graph), self.scope
+        self.graph_proto = proto
+        self.scope = _Available(proto, original, self.scope)
+        try:
+            for op in ir_graph:
+                if op.type == ROUTINE:
+                    self._routine(op)
+                    continue
+                hosted = self.hosted
+                for (_, attr, index), body in _bodies(op):
+                    if _hosts_routines(body):
+                        self._attach_body(op, attr, index, body, proto, original)
+                if self.hosted != hosted:
+                    self._join(op)
+        finally:
+            self._leave_graph(saved[0])
+            self.scope = saved[1]
+
+    def _attach_body(self, op, attr, index, body, proto, original):
+        outputs = [self.names.get(t, t.name) if not t.attrs.get("absent") else ""
+                   for t in op.outputs]
+        mine = _holding_node(original, op.type, outputs)
+        theirs = _holding_node(proto, op.type, outputs)
+        if mine is None or theirs is None:
+            raise _NotSide(op.name)
+        mine, theirs = _body_proto(mine, attr, index), _body_proto(theirs, attr, index)
+        if mine is None or theirs is None:
+            raise _NotSide(op.name)
+        self._attach(body, theirs, mine)
+
+    def _callback(self, op, action, where):
+        """In fetch mode a top-level routine becomes an entry of the plan:
+        its tensors are fetched as extra outputs of the run and the routine
+        is called after it (see `_FetchPlan`); no node is added."""
+        if not self.fetch or self.nested:
+            return super()._callback(op, action, where)
+        inputs = list(op.inputs)
+        in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
+        hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        key = _register_callback(_Callback(action, where, len(inputs), hosted, [], False,
+                                           observe=True))
+        names = []
+        for i in hosted:
+            name = self.name(inputs[i])
+            names.append(name)
+            self._declare_output(inputs[i], name)
+        for tensor, source in zip(op.outputs, inputs):
+            self._alias(tensor, self.name(source))
+        self.fetched.append((key, names))
+
+    def _declare_output(self, tensor, name):
+        """Make ``name`` an output of the top graph (once; not for graph
+        inputs and initializers, which `_FetchPlan` takes from the feed and
+        the model)."""
+        proto = self.result.graph
+        if name in self._declared:
+            return
+        self._declared.add(name)
+        if any(i.name == name for i in proto.input) or \
+                any(i.name == name for i in proto.initializer) or \
+                any(o.name == name for o in proto.output):
+            return
+        proto.output.append(self.value_info(tensor, name))
+
+    def name(self, tensor):
+        name = self.names.get(tensor)
+        if name is None:
+            name = "" if tensor.attrs.get("absent") else self.resolve(tensor.name)
+            self.names[tensor] = name
+        return name
+
+    def order_name(self, tensor):
+        # waiting for a fused-away tensor would mean recomputing it: skip it
+        return tensor.name if self.scope.visible(tensor.name) else None
+
+    def resolve(self, name, scope=None):
+        """The name of the user's tensor ``name`` in the result, recomputing
+        it off the main dataflow when the optimiser removed it."""
+        scope = scope or self.scope
+        if name in scope.available:
+            return name
+        found = scope.recomputed.get(name)
+        if found is not None:
+            return found
+        weight = scope.weights.get(name)
+        if weight is not None:
+            copy = scope.proto.initializer.add()
+            copy.CopyFrom(weight)
+            copy.name = scope.recomputed[name] = self.fresh(name)
+            self.copied.add(copy.name)
+            return copy.name
+        node = scope.producers.get(name)
+        if node is None:
+            if scope.outer is not None:   # a value of an enclosing graph
+                return self.resolve(name, scope.outer)
+            raise _NotSide(name)
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for a in node.attribute):
+            raise _NotSide(name)
+        inputs = [self.resolve(i, scope) if i else "" for i in node.input]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = self.fresh(f"{node.name or node.op_type}/amanda.recomputed")
+        del copy.input[:]
+        copy.input.extend(inputs)
+        outputs = []
+        for output in node.output:
+            if output:
+                scope.recomputed[output] = self.fresh(f"{output}/amanda.recomputed")
+            outputs.append(scope.recomputed.get(output, ""))
+        del copy.output[:]
+        copy.output.extend(outputs)
+        scope.proto.node.append(copy)
+        return scope.recomputed[name]
+
+
+class _Available:
+    """Names of one graph of the optimised model (and the user's version of it)."""
+
+    def __init__(self, proto, original, outer):
+        self.proto = proto
+        self.outer = outer
+        self.available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
+        for node in proto.node:
+            self.available.update(o for o in node.output if o)
+        self.producers = {o: n for n in original.node for o in n.output if o}
+        self.weights = {i.name: i for i in original.initializer}
+        self.recomputed = {}
+
+    def visible(self, name):
+        return name in self.available or (self.outer is not None and self.outer.visible(name))
+
+
+class _FetchPlan:
+    """Observe-only routines called after the run, on the run's own buffers.
+
+    The tensors the routines read are fetched as extra outputs of
+    ``session.run``; onnxruntime hands its outputs to Python as NumPy arrays
+    over its own buffers (no copy), and a graph output is never overwritten
+    by a later node, so each tensor is the value its node produced. The
+    routines are then called in program order on read-only views of them.
+    Graph inputs are taken from the feed and initializers from the model
+    (read once), so neither is copied per run.
+
+    Each run has its own outputs and calls its own routines on the calling
+    thread: concurrent runs never share anything but the (immutable) plan.
+
+    Args:
+        fetched: ``(routine key, [tensor name per hosted slot])`` in program order.
+        proto: the top graph of the model the session runs (outputs added).
+        outputs: the names of the model's own outputs.
+    """
+
+    __slots__ = ("calls", "extra", "outputs", "constants", "inputs")
+
+    def __init__(self, fetched, proto, outputs):
+        self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
+        self.outputs = list(outputs)
+        self.inputs = {i.name for i in proto.input}
+        self.constants = {}
+        wanted = {n for _, names in fetched for n in names}
+        for initializer in proto.initializer:
+            if initializer.name in wanted:
+                self.constants[initializer.name] = _read_only(
+                    numpy_helper.to_array(initializer))
+        self.extra = []
+        for name in dict.fromkeys(n for _, names in fetched for n in names):
+            if name not in self.inputs and name not in self.constants:
+                self.extra.append(name)
+
+    def fetches(self, output_names):
+        """(names to fetch, how many of them the caller asked for)."""
+        if not output_names:
+            output_names = self.outputs
+        names = list(output_names)
+        asked = set(names)
+        names.extend(n for n in self.extra if n not in asked)
+        return names, len(output_names)
+
+    def call(self, values, feed):
+        """Call every routine, in program order, on read-only views of ``values``
+        (fetched name -> array), the feed and the model's initializers."""
+        for callback, names in self.calls:
+            arrays = [self._view(name, values, feed) for name in names]
+            callback.look(arrays)
+
+    def _view(self, name, values, feed):
+        value = values.get(name)
+        if value is None and name in self.inputs and name in feed:
+            value = feed[name]
+            if isinstance(value, ort.OrtValue):
+                value = value.numpy()
+        if value is None:
+            value = self.constants[name]
+        return _read_only(value)
+
+
+def _drop_unread_initializers(proto, names):
+    """Remove the initializers among ``names`` that no node reads: a
+    routine that observes a weight gets it from `_FetchPlan`, and
+    onnxruntime refuses an unread initializer that is not a graph input
+    (IR < 4)."""
+    read = set()
+
+    def collect(graph):
+        for node in graph.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                for sub in ([attribute.g] if attribute.HasField("g") else []) + \
+                        list(attribute.graphs):
+                    collect(sub)
+    collect(proto)
+    keep = [i for i in proto.initializer if i.name not in names or i.name in read]
+    if len(keep) != len(proto.initializer):
+        del proto.initializer[:]
+        proto.initializer.extend(keep)
+
+
+def _read_only(value):
+    """A read-only view of ``value`` (the caller's array stays writable)."""
+    view = np.asarray(value).view()
+    view.flags.writeable = False
+    return view
+
+
+def _fetching_run(run, plan):
+    """``session.run`` that fetches the plan's tensors and calls its routines."""
+    def fetching(output_names, input_feed, run_options=None):
+        names, asked = plan.fetches(output_names)
+        results = run(names, input_feed, run_options)
+        plan.call(dict(zip(names, results)), input_feed)
+        return results[:asked]
+    fetching.__wrapped__ = run
+    return fetching
+
+
+def _fetching_run_with_ort_values(run, plan):
+    def fetching(output_names, input_dict_ort_values, run_options=None):
+        names, asked = plan.fetches(output_names)
+        results = run(names, input_dict_ort_values, run_options)
+        plan.call({n: results[i].numpy() for i, n in enumerate(names)}, input_dict_ort_values)
+        return results[:asked]
+    fetching.__wrapped__ = run
+    return fetching
+
+
+def _no_fetching(method):
+    def refuse(*args, **kwargs):
+        raise BackendError(
+            f"InferenceSession.{method} cannot call amanda's observe-only routines of this "
+            "session: they run after session.run (or run_with_ort_values) on the tensors it "
+            "fetches. Use those, or create the session inside "
+            "amanda.runtime.onnx.hosted_observation() to run the routines inside onnxruntime")
+    return refuse
+
+
+def _fetch_for(session, plan):
+    """Make ``session`` call the plan's routines after each run, its extra
+    outputs hidden from the user (``get_outputs``, ``run(None, ...)``)."""
+    mine = set(plan.outputs)
+    session._outputs_meta = [o for o in session._outputs_meta if o.name in mine]
+    session.run = _fetching_run(session.run, plan)
+    session.run_with_ort_values = _fetching_run_with_ort_values(
+        session.run_with_ort_values, plan)
+    for method in ("run_with_iobinding", "run_async"):
+        setattr(session, method, _no_fetching(method))
+
+
+_observation = threading.local()   # .hosted: sessions created now host observers
+
+
+def hosted_observation():
+    """Sessions created inside run observe-only routines inside onnxruntime.
+
+    By default, when every routine of a session only observes, the tensors
+    they read are fetched as extra outputs of ``session.run`` and the routines
+    are called after the run, in program order, on read-only views of
+    onnxruntime's buffers (no copy, whatever the tensor's size). Inside this
+    scope (per thread) they run as Python ops during the run instead, each
+    on a copy of its tensors, next to their ops: for routines whose timing
+    matters, or sessions run with ``run_with_iobinding``/``run_async``.
+    """
+    return swapped(_observation, "hosted", True)

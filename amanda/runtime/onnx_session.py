@@ -1,0 +1,203 @@
+"""The session driver: ``InferenceSession`` inside ``amanda.apply`` runs the
+instrumented model.
+
+`OnnxRuntimeDriver` patches ``InferenceSession.__init__`` while any thread is
+inside a scope and restores it when the last one leaves. The patched
+constructor instruments the model once per amanda session and model bytes
+(`_instrumented`, cached by SHA-256), then builds the session on what it
+needs: the user's bytes when nothing was recorded, the optimised model with
+observe-only side branches (:mod:`amanda.runtime.onnx_observe`), or the
+instrumented model with routines in its dataflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+
+import onnx
+import onnxruntime as ort
+
+from amanda import controls
+from amanda.errors import BackendError
+from amanda.frontends.onnx import load_model
+from amanda.runtime.onnx_bodies import _bodies_host_routines
+from amanda.runtime.onnx_host import _checked_run, _original_init, session_options
+from amanda.runtime.onnx_instrument import _instrument
+from amanda.runtime.onnx_observe import _fetch_for, _NotSide, _observation, _SideBranches
+
+
+def _model_bytes(source):
+    """(bytes, ModelProto or None) of what ``InferenceSession`` was given."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), None
+    if isinstance(source, (str, os.PathLike)):
+        model = load_model(source)   # with external data, if any
+        return model.SerializeToString(), model
+    raise BackendError(f"amanda cannot instrument an InferenceSession created from a "
+                       f"{type(source).__name__}")
+
+
+class _Instrumented:
+    """What a session inside ``apply`` runs for one model and tool set.
+
+    Attributes:
+        data: the model bytes to run when routines feed the model (or
+            nothing was recorded: the user's bytes).
+        callbacks: they host Python routines.
+        inline: some Python routine's results flow back into the model.
+        side: ``(lowered IR graph, user's ModelProto)`` when every routine
+            only looks (see `_SideBranches`), else None.
+        optimised: side-branch models by (optimisation level, providers).
+    """
+
+    def __init__(self, data, callbacks=False, inline=False, side=None):
+        self.data = data
+        self.callbacks = callbacks
+        self.inline = inline
+        self.side = side
+        self.optimised = {}
+
+
+def _instrumented(session, source):
+    """The `_Instrumented` model for ``source``, cached per amanda session by
+    the SHA-256 of the model."""
+    data, model = _model_bytes(source)
+    key = hashlib.sha256(data).hexdigest()
+    cache = session.caches.setdefault("onnx", {})
+    hit = cache.get(key) if controls.state.cache else None
+    if hit is not None:
+        return hit
+    if model is None:
+        model = load_model(data)
+    lowered, lowering = _instrument(model, session, callbacks=True)
+    if lowered is None:
+        hit = _Instrumented(data)
+    else:
+        side = None
+        if lowering.side_only and lowering.uses_callbacks:
+            side = (lowering.top, model)
+        hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
+                            lowering.inline, side)
+    cache[key] = hit
+    return hit
+
+
+# Options are mutated for the span of a session's creation (the optimised
+# model's path, the optimisation level); sessions copy them when created.
+_OPTIONS_LOCK = threading.Lock()
+
+
+def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs):
+    """The user's model as onnxruntime optimises it with these options."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
+        path = os.path.join(folder, "optimised.onnx")
+        with _OPTIONS_LOCK:
+            saved = options.optimized_model_filepath, options.log_severity_level
+            options.optimized_model_filepath = path
+            # saving at level ALL warns that NCHWc layouts are machine-specific:
+            # the file never leaves this process
+            options.log_severity_level = 3
+            try:
+                _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
+                               options, providers, provider_options, **kwargs)
+            finally:
+                options.optimized_model_filepath, options.log_severity_level = saved
+        return onnx.load(path)
+
+
+def _side_branch_model(hit, options, providers, provider_options, kwargs):
+    """Bytes of the optimised model with the observe-only routines attached,
+    cached per optimisation level and providers; None if a routine reads a
+    tensor that cannot be recomputed (it then runs in the model's dataflow)."""
+    graph, model = hit.side
+    fetch = not getattr(_observation, "hosted", False) and not _bodies_host_routines(graph)
+    key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
+           fetch)
+    found = hit.optimised.get(key)
+    if found is None:
+        optimised = _optimised_by_onnxruntime(model.SerializeToString(), options, providers,
+                                              provider_options, kwargs)
+        try:
+            branches = _SideBranches(graph, model, optimised, fetch=fetch)
+            found = branches.model().SerializeToString(), branches.plan
+        except _NotSide:
+            found = b"", None
+        hit.optimised[key] = found
+    return found if found[0] else (None, None)
+
+
+def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
+                  provider_options=None, **kwargs):
+    sessions = controls.state.sessions
+    if not sessions or controls.state.disabled:
+        return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
+                              **kwargs)
+    hit = _instrumented(sessions[-1], path_or_bytes)
+    if not hit.callbacks:
+        return _original_init(self, hit.data, sess_options, providers, provider_options,
+                              **kwargs)
+    options = session_options(sess_options)
+    data = plan = None
+    if hit.side is not None:
+        data, plan = _side_branch_model(hit, options, providers, provider_options, kwargs)
+    if data is not None:
+        # the model is optimised already: optimising again could fuse the
+        # side branches into it
+        with _OPTIONS_LOCK:
+            level = options.graph_optimization_level
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            try:
+                _original_init(self, data, options, providers, provider_options, **kwargs)
+            finally:
+                options.graph_optimization_level = level
+    else:
+        if hit.inline and options.graph_optimization_level != \
+                ort.GraphOptimizationLevel.ORT_DISABLE_ALL:
+            warnings.warn(
+                "amanda: Python routines that may replace tensors sit between the model's "
+                "nodes; onnxruntime cannot fuse across them, so outputs may differ from the "
+                f"plain model's in the last bits at {options.graph_optimization_level.name} "
+                "(they are bit-identical at ORT_DISABLE_ALL; routines that only return None "
+                "never change outputs). See docs/onnx.md.", stacklevel=2)
+        _original_init(self, hit.data, options, providers, provider_options, **kwargs)
+    self.run = _checked_run(self.run)
+    if plan is not None:
+        _fetch_for(self, plan)
+
+
+_patched_init.__wrapped__ = _original_init
+
+
+class OnnxRuntimeDriver:
+    """Patches ``InferenceSession.__init__`` while any thread is inside
+    ``apply``; the last thread out restores it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._depth = threading.local()
+
+    def enter(self, session):
+        depth = getattr(self._depth, "value", 0)
+        self._depth.value = depth + 1
+        if depth == 0:
+            with self._lock:
+                self._users += 1
+                if self._users == 1:
+                    ort.InferenceSession.__init__ = _patched_init
+
+    def exit(self, session, restored):
+        self._depth.value -= 1
+        if self._depth.value:
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                ort.InferenceSession.__init__ = _original_init
+
+
+DRIVER = OnnxRuntimeDriver()
