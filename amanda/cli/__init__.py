@@ -2,8 +2,9 @@
 
 Subcommands live in :data:`COMMANDS`, a table of :class:`Command` entries
 (name, help, description, an example, ``add_arguments(parser)`` and
-``run(args)``, which returns the exit status); adding one is writing those
-two functions and adding an entry. Each runs a built-in tool on a model spec
+``run(args)``, which returns the exit status); adding one is a module
+holding those two functions and its ``COMMAND`` entry, listed in
+:data:`COMMANDS`. Each runs a built-in tool on a model spec
 of :mod:`amanda.models` (built-in names, ``keras:NAME``, ``*.onnx``,
 ``file.py:factory``), prints a table (rich on a terminal, plain text
 otherwise) and writes its results to ``--out`` (default ``amanda-out/``).
