@@ -29,8 +29,9 @@ from amanda.runtime.routines import call_routine
 CALLBACK_DOMAIN = "ai.onnx.contrib"
 
 #: onnxruntime's own ``InferenceSession.__init__``, taken when amanda's ONNX
-#: runtime is first imported (before the driver can patch it): every session
-#: amanda creates for itself is built with it, never with the patched one.
+#: runtime is first imported (before the driver can patch it). The sessions
+#: amanda builds for itself (type completion, the optimised copy,
+#: `inference_session`) and the patched constructor itself call it directly.
 _original_init = ort.InferenceSession.__init__
 
 
