@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
+from amanda import controls
 from amanda.errors import AmandaError, BackendError, ToolError
 from amanda.frontends.onnx import load_model
 from amanda.runtime.routines import call_routine
@@ -258,7 +259,8 @@ class _Callback:
         for i, array in zip(self.hosted, arrays):
             values[i] = array
         try:
-            call_routine(self.action, values, _is_array, self.where)
+            with controls.muted():   # a routine's own sessions are not instrumented
+                call_routine(self.action, values, _is_array, self.where)
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValueError) and "read-only" in str(cause):
@@ -272,6 +274,10 @@ class _Callback:
             raise
 
     def _run(self, arrays):
+        with controls.muted():   # a routine's own sessions are not instrumented
+            return self._call(arrays)
+
+    def _call(self, arrays):
         if self.replacing:
             values = list(arrays)
         else:

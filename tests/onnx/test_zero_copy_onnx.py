@@ -210,3 +210,37 @@ def test_concurrent_runs_see_their_own_values():
         assert [op for op, _ in seen] == ["fc", "relu"] * len(indices)
         for i, (_, y) in zip(indices, seen[1::2]):
             assert same(y, expected[i])
+
+
+@pytest.mark.parametrize("hosted", [False, True])
+def test_a_routines_own_sessions_are_not_instrumented(x24, hosted):
+    """amanda never instruments itself: a routine that builds and runs its own
+    onnxruntime session (a reference model, say) runs it plainly, on the
+    after-run path and in the callback alike."""
+    reference = mlp(seed=3).SerializeToString()
+    calls = []
+
+    class Nested(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(self.analyse)
+
+        def analyse(self, context):
+            context.insert_before_op(self.look, op=context.get_op_id())
+
+        def look(self, *arrays, op):
+            calls.append(op)
+            inner = ort.InferenceSession(reference, providers=["CPUExecutionProvider"])
+            inner.run(None, {"x": x24})
+
+    tool = Nested()
+    with amanda.apply(tool):
+        if hosted:
+            with hosted_observation():
+                session = ort.InferenceSession(mlp().SerializeToString(),
+                                               providers=["CPUExecutionProvider"])
+        else:
+            session = ort.InferenceSession(mlp().SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+        session.run(None, {"x": x24})
+    assert calls == ["fc", "relu"]   # the inner sessions' Gemm and Relu were not instrumented
