@@ -294,7 +294,8 @@ def _hosting(action, where, run):
 
     def callback(*arrays):
         try:
-            return run(*arrays)
+            with controls.muted():   # TF may call it in the user's thread: a routine's own runs stay plain
+                return run(*arrays)
         except AmandaError as exc:
             raise _failed(exc) from None
         except Exception as exc:   # amanda's own bug: still name the routine
