@@ -1,6 +1,8 @@
 """Compiled PyTorch: tools run inside torch.compile'd graphs (amanda.runtime.pytorch_compiled)."""
 
 import collections
+import io
+import zlib
 
 import pytest
 
@@ -243,3 +245,155 @@ def test_by_default_a_compiled_model_has_exactly_the_points_of_eager():
             module(x)
         counts.append(collections.Counter(tool.names[k] for k in tool.executions.elements()))
     assert counts[0] == counts[1] and counts[0]["nonzero"] == 2
+
+
+# -- differential harness: graph breaks ---------------------------------------------------
+#
+# Every program below makes Dynamo run some code outside its graphs. Under the
+# compiled path, the multiset of (op id, point) executions of a counting tool
+# must equal the eager run's, and identity routines must keep outputs
+# bit-identical. (A compiled callable with a graph break runs eagerly inside
+# apply: pytorch_compiled.EAGER_FALLBACKS.)
+
+
+class CountPoints(amanda.Tool):
+    """Counts every (op id, point) execution, before and after every forward op."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self.analysis, require_outputs=True)
+
+    def analysis(self, context):
+        op_id = context.get_op_id()
+        context.insert_before_op(self.count, key=(op_id, "before"))
+        context.insert_after_op(self.count, key=(op_id, "after"))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+class Identity(amanda.Tool):
+    """A Python routine before and after every op that returns its tensors unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.analysis, require_outputs=True)
+
+    def analysis(self, context):
+        context.insert_before_op(self.same)
+        context.insert_after_op(self.same)
+
+    def same(self, *tensors):
+        return list(tensors)
+
+
+def _item_branch(x):
+    y = torch.sin(x)
+    if y.sum().item() > 0:            # data-dependent control flow
+        return torch.cos(y)
+    return torch.tanh(y)
+
+
+def _printing(x):
+    y = torch.sin(x)
+    print(y, file=_SINK)              # print of a tensor: formatted eagerly
+    return torch.cos(y)
+
+
+def _builtin(x):
+    y = torch.sin(x)
+    n = zlib.crc32(b"amanda")         # a builtin Dynamo cannot trace
+    return torch.cos(y) + (n % 3)
+
+
+@torch._dynamo.disable
+def _skipped(y):
+    return torch.exp(y) * 2           # a frame Dynamo skips: runs as plain Python
+
+
+def _calls_skipped(x):
+    return torch.cos(_skipped(torch.sin(x)))
+
+
+_inner = torch.compile(lambda y: torch.nonzero(y > 0.5).float().sum() + y, backend="eager")
+
+
+def _nested(x):
+    return torch.cos(_inner(torch.sin(x)))
+
+
+class Hooked(torch.nn.Module):
+    """A module with a forward hook of the user's, which computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.fc.register_forward_hook(lambda module, args, out: out * 2 + torch.nonzero(out).shape[0])
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+_SINK = io.StringIO()
+PROGRAMS = {
+    "nonzero": lambda: BreakOnNonzero(),
+    "item": lambda: _item_branch,
+    "print": lambda: _printing,
+    "graph_break": lambda: Broken(),
+    "builtin": lambda: _builtin,
+    "skipped frame": lambda: _calls_skipped,
+    "nested compiled": lambda: _nested,
+    "module hook": lambda: Hooked(),
+}
+
+
+def _input(name):
+    return torch.rand(2, 8) if name == "graph_break" else torch.rand(2, 4)
+
+
+def _points(module, x, compiled_path):
+    pytorch_compiled.ENABLED = compiled_path
+    tool = CountPoints()
+    with torch.no_grad(), amanda.apply(tool):
+        module(x)
+        module(x)
+    return tool.executions
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_graph_breaks_lose_no_point(name):
+    torch.manual_seed(0)
+    program, x = PROGRAMS[name](), _input(name)
+    compiled = torch.compile(program, backend="eager")
+    eager = _points(compiled, x, compiled_path=False)
+    assert len(eager) >= 4
+    assert _points(compiled, x, compiled_path=True) == eager
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_graph_breaks_identity_routines_keep_outputs(name):
+    torch.manual_seed(0)
+    program, x = PROGRAMS[name](), _input(name)
+    compiled = torch.compile(program, backend="eager")
+    with torch.no_grad():
+        expected = program(x)
+        with amanda.apply(Identity()):
+            out = compiled(x)
+    assert torch.equal(out, expected)
+
+
+def test_graph_break_falls_back_to_eager_once_per_callable():
+    model, x = BreakOnNonzero(), torch.rand(2, 4)
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    tool = CountBefore("nonzero")
+    for _ in range(3):
+        with amanda.apply(tool):
+            compiled(x)
+    assert sum(tool.executions.values()) == 3
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
+    assert pytorch_compiled.EAGER_FALLBACKS["graph break"] >= 1
+    compiled(x)                       # outside apply: Dynamo's own compiled code, graph break and all
+    assert backend.graphs >= 2

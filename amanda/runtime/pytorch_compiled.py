@@ -15,8 +15,14 @@ one of three ways for each call:
   is cached by Dynamo itself, beside the vanilla code: re-entering ``apply``
   with the same tools compiles nothing; other tools compile their own version.
   For the duration of the call amanda's eager machinery (its
-  ``TorchFunctionMode`` and global module hooks) is taken out of the thread,
-  so Dynamo neither traces it nor guards on it;
+  ``TorchFunctionMode`` and global module hooks) is taken out of the thread
+  (`_Call`), so Dynamo neither traces it nor guards on it. Dynamo's per-frame
+  callback is watched (`_WatchedFrames`): if the code Dynamo makes for a frame
+  would run anything outside its graphs (a graph break: ``torch.nonzero``,
+  ``.item()`` in a condition, ``print``; a frame Dynamo skips), that code is
+  dropped before the frame starts, the machinery is put back and the call
+  runs eagerly from there, with every op a point and eager's ids; the
+  callable then stays eager inside ``apply`` (counted in `EAGER_FALLBACKS`);
 * **vanilla** (inside ``amanda.disabled()``): the user's callback, with the
   eager machinery out of the way: the vanilla compiled code runs;
 * **eager** (everything the compiled path cannot do: tools with backward
@@ -34,6 +40,7 @@ compiler like model code.
 
 from __future__ import annotations
 
+import collections
 import operator
 import os
 import re
@@ -65,15 +72,22 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S
 #: Opt-in. False (the default): compiled callables inside ``apply`` run
 #: eagerly (Dynamo's ``force_eager`` stance), so every op is a point, exactly
 #: as in eager. True: they run instrumented compiled graphs (this module),
-#: at compiled speed, with the limits in docs/pytorch-compiled.md; among them,
-#: an op that makes Dynamo break the graph (``torch.nonzero``...) runs outside
-#: any graph with amanda's mode removed and is not seen. Trust first: that
-#: silent gap is why this path is not the default yet.
+#: at compiled speed, with the limits in docs/pytorch-compiled.md. A compiled
+#: callable in which Dynamo breaks the graph runs eagerly inside ``apply``
+#: (see `EAGER_FALLBACKS`), so no op runs outside amanda's sight.
 ENABLED = False
+
+#: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
+#: have run part of their code outside its graphs (a graph break, a frame it
+#: skips): reason -> number of fallbacks (one per callable and reason; the
+#: callable then stays eager inside ``apply``). Read it to know which models
+#: did not run compiled; nothing in them was lost, they ran like eager.
+EAGER_FALLBACKS = collections.Counter()
 
 _tls = threading.local()
 _PATCH = {"original": None}
 _CALLBACKS = {}   # (session token, id(user callback)) -> (user callback, amanda callback)
+_EAGER = {}       # id(user callback) -> user callback, of callables that run eagerly inside apply
 _ROUTINES = []    # handle -> _Routine, for the custom ops
 
 
@@ -101,9 +115,10 @@ def _pick_callback(callback):
     chosen = _PATCH["original"](callback)
     if chosen is None or chosen is False or _PATCH["original"] is None:
         return chosen          # the user's stance runs it eagerly: amanda's eager runtime sees it
-    if getattr(_tls, "suspended", 0):
-        # a compiled call nested in one (across a graph break): same choice as the outer call
-        return _tls.choice(chosen)
+    call = _suspended_call()
+    if call is not None:
+        # a compiled call nested in one whose machinery is out: same choice as the outer call
+        return call.choice(chosen)
     from amanda.runtime import pytorch as eager
     from amanda.tool import current_session
 
@@ -115,15 +130,16 @@ def _pick_callback(callback):
         choice = _vanilla
     elif session.has_backward or session.requires_graph:
         return None            # backward points / whole graphs: the eager runtime (see the docs)
+    elif _EAGER.get(id(callback)) is callback:
+        return None            # Dynamo breaks its graph: it runs eagerly inside apply
     else:
-        choice = _instrumented(session)
+        choice = _instrumented(session, callback)
     cleanups = _caller_cleanups()
     stack = torch.overrides._get_current_function_mode_stack()
     if cleanups is None or not stack or stack[-1] is not st.mode:
         return None            # a layout this module does not know: eagerly, never unseen
-    _suspend(st)
-    _tls.choice = choice
-    cleanups.append(_resume)
+    call = _Call(st, choice, callback)
+    cleanups.append(call.resume)
     return choice(chosen)
 
 
@@ -131,17 +147,17 @@ def _vanilla(callback):
     return callback
 
 
-def _instrumented(session):
+def _instrumented(session, user_callback):
     def choose(callback):
         key = (session.token, id(callback))
         entry = _CALLBACKS.get(key)
         if entry is None or entry[0] is not callback:
-            entry = _CALLBACKS[key] = (callback, _amanda_callback(callback, session))
+            entry = _CALLBACKS[key] = (callback, _amanda_callback(callback, session, user_callback))
         return entry[1]
     return choose
 
 
-def _amanda_callback(callback, session):
+def _amanda_callback(callback, session, user_callback):
     from torch._dynamo import eval_frame
     inner = callback._torchdynamo_orig_backend
     user_compiler = getattr(inner, "_torchdynamo_orig_backend", None)
@@ -151,7 +167,8 @@ def _amanda_callback(callback, session):
     backend = InstrumentingBackend(session, user_compiler)
     hooks = getattr(callback, "hooks", None) or eval_frame.Hooks()
     from torch._dynamo import convert_frame
-    return convert_frame.catch_errors_wrapper(inner._clone_with_backend(backend), hooks)
+    return _WatchedFrames(convert_frame.catch_errors_wrapper(inner._clone_with_backend(backend), hooks),
+                          user_callback)
 
 
 def _caller_cleanups():
@@ -164,37 +181,185 @@ def _caller_cleanups():
     return cleanups if type(cleanups) is list else None
 
 
-def _suspend(st):
-    """Take amanda's eager machinery out of this thread for a compiled call."""
-    torch._C._pop_torch_function_stack()
-    _tls.mode = st.mode
-    hooks = torch.nn.modules.module
-    from amanda.runtime.pytorch import DRIVER
-    ids = {handle.id for handle in DRIVER._handles}
-    saved = []
-    for table in (hooks._global_forward_pre_hooks, hooks._global_forward_hooks):
-        saved.append((table, list(table.items())))
-        for key in ids & set(table):
-            del table[key]
-    _tls.saved_hooks = saved
-    # disabled: the patched autograd engine must not push the mode back while
-    # AOTAutograd traces the joint graph, nor at the compiled backward
-    _tls.disabled = controls.state.disabled
-    controls.state.disabled = True
-    _tls.suspended = 1
+def _suspended_call():
+    calls = getattr(_tls, "calls", None)
+    if calls:
+        call = calls[-1]
+        if call.out:
+            return call
+    return None
 
 
-def _resume():
-    _tls.suspended = 0
-    controls.state.disabled = _tls.disabled
-    for table, items in _tls.saved_hooks:
-        added = [(k, v) for k, v in table.items() if k not in dict(items)]
-        table.clear()
-        table.update(items)
-        table.update(added)
-    _tls.saved_hooks = None
-    torch._C._push_on_torch_function_stack(_tls.mode)
-    _tls.mode = None
+class _Call:
+    """One compiled call on the instrumented path. amanda's eager machinery
+    (its ``TorchFunctionMode``, global module hooks, the autograd-engine hook)
+    is out of the thread while Dynamo's code runs, so Dynamo neither traces
+    it nor guards on it; `resume` puts it back, at the call's end or as soon
+    as the call falls back to eager (`fall_back`)."""
+
+    __slots__ = ("st", "mode", "saved_hooks", "disabled", "choice", "callback", "out", "entered",
+                 "compiled")
+
+    def __init__(self, st, choice, callback):
+        self.st = st
+        self.choice = choice
+        self.callback = callback
+        self.entered = []      # modules whose calls amanda's pre-hook missed (see _enter_modules)
+        self.compiled = False  # a frame of this call got code from Dynamo (its graphs run)
+        torch._C._pop_torch_function_stack()
+        self.mode = st.mode
+        hooks = torch.nn.modules.module
+        from amanda.runtime.pytorch import DRIVER
+        ids = {handle.id for handle in DRIVER._handles}
+        self.saved_hooks = []
+        for table in (hooks._global_forward_pre_hooks, hooks._global_forward_hooks):
+            self.saved_hooks.append((table, list(table.items())))
+            for key in ids & set(table):
+                del table[key]
+        # disabled: the patched autograd engine must not push the mode back while
+        # AOTAutograd traces the joint graph, nor at the compiled backward
+        self.disabled = controls.state.disabled
+        controls.state.disabled = True
+        self.out = True
+        calls = getattr(_tls, "calls", None)
+        if calls is None:
+            calls = _tls.calls = []
+        calls.append(self)
+
+    def resume(self):
+        """Put amanda's machinery back (once; again is a no-op) and forget the call."""
+        calls = _tls.calls
+        if self.out:
+            self._put_back()
+        modules = self.st.modules
+        for module in reversed(self.entered):   # their calls ended with this call
+            if modules and modules[-1]() is module:
+                modules.pop()
+        self.entered = []
+        if calls and calls[-1] is self:
+            calls.pop()
+        elif self in calls:
+            calls.remove(self)
+
+    def _put_back(self):
+        self.out = False
+        controls.state.disabled = self.disabled
+        for table, items in self.saved_hooks:
+            added = [(k, v) for k, v in table.items() if k not in dict(items)]
+            table.clear()
+            table.update(items)
+            table.update(added)
+        self.saved_hooks = None
+        torch._C._push_on_torch_function_stack(self.mode)
+
+    def fall_back(self, reason):
+        """Dynamo would run code of this call outside its graphs, where amanda
+        cannot see it: from now on the call runs eagerly, with amanda's
+        machinery back, and the callable stays eager inside ``apply``."""
+        if _EAGER.get(id(self.callback)) is not self.callback:
+            _EAGER[id(self.callback)] = self.callback
+            EAGER_FALLBACKS[reason] += 1
+        if self.out:
+            self._put_back()
+            self._enter_modules()
+
+    def _enter_modules(self):
+        """The module calls this call is in the middle of, between Dynamo's
+        ``compile_wrapper`` and the frame that falls back (``Module.__call__``
+        frames, which Dynamo runs as plain Python), began while amanda's
+        module hooks were out: their modules are put on amanda's module stack,
+        outermost first, as the pre-hook would have, so the ops get eager's
+        module paths and ids. `resume` takes them off."""
+        from amanda.runtime.pytorch import _module_pre_hook
+        calls = []
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "compile_wrapper":
+            if frame.f_code.co_filename == _MODULE_FILE and frame.f_code.co_name == "_call_impl":
+                module = frame.f_locals.get("self")
+                if isinstance(module, torch.nn.Module):
+                    calls.append((module, frame.f_locals.get("args", ())))
+            frame = frame.f_back
+        for module, args in reversed(calls):
+            _module_pre_hook(module, args)
+            self.entered.append(module)
+
+
+#: Frames Dynamo runs as plain Python that compute nothing themselves
+#: (``Module.__call__``'s wrappers: the hooks and ``forward`` they call are
+#: frames of their own, which Dynamo compiles or amanda sees).
+_PLAIN_FRAMES = frozenset([(_MODULE_FILE, "_wrapped_call_impl"), (_MODULE_FILE, "_call_impl")])
+
+
+def _graph_breaks():
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
+def _outside_graphs(frame, result, breaks, call):
+    """Why the code Dynamo made for a frame would run code outside its graphs
+    (None if it would not): a graph break (counted by Dynamo, or a resume
+    function in the code), or no code at all for a frame of the user's
+    (Dynamo skips it, and it would run without amanda's mode).
+
+    Frames Dynamo skips that are no user code are not counted: the wrappers
+    of ``Module.__call__`` (`_PLAIN_FRAMES`), and, once a frame of the call got
+    code, the frames in Dynamo's skip list that this code calls (Dynamo's
+    machinery that runs the compiled graphs): the user's code reaches a skipped
+    function only through a graph break, which falls back first."""
+    if _graph_breaks() != breaks:
+        return "graph break"
+    code = getattr(getattr(result, "guarded_code", None), "code", None)
+    if code is None:
+        if (frame.f_code.co_filename, frame.f_code.co_name) in _PLAIN_FRAMES:
+            return None
+        reason = getattr(result, "skip_reason", None) or "no reason given"
+        if call.compiled and reason == "frame is in the Dynamo skipfiles list":
+            return None
+        return "frame skipped by Dynamo: " + reason
+    if any(name.startswith("__resume_at_") for name in code.co_names):
+        return "graph break"
+    call.compiled = True
+    return None
+
+
+def _run_eagerly():
+    """Dynamo's answer for a frame (and the frames it calls) to run as plain
+    Python, for this call only (the code is not marked for later calls)."""
+    from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
+    return ConvertFrameReturn(frame_exec_strategy=FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP),
+                              apply_to_code=False)
+
+
+class _WatchedFrames:
+    """Dynamo's per-frame callback for amanda's compiled calls. Dynamo calls it
+    for a frame that has no cached code; the frame has not started. If the code
+    Dynamo makes for it would run anything outside its graphs, that code is
+    dropped (never cached, never run) and the call falls back to eager before
+    any of the frame runs: amanda's mode sees every op of it, as in eager."""
+
+    def __init__(self, inner, user_callback):
+        self.inner = inner
+        self.user_callback = user_callback
+        self._torchdynamo_orig_backend = inner._torchdynamo_orig_backend
+        self.hooks = inner.hooks
+
+    def __call__(self, frame, cache_entry, frame_state):
+        call = _suspended_call()
+        if call is None:
+            return _run_eagerly()         # the call fell back: the rest of it runs eagerly
+        breaks = _graph_breaks()
+        _tls.breaks = breaks
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else None
+        try:
+            result = self.inner(frame, cache_entry, frame_state)
+        finally:
+            _tls.breaks = _tls.owner = None
+        reason = _outside_graphs(frame, result, breaks, call)
+        if reason is None:
+            return result
+        call.fall_back(reason)
+        return _run_eagerly()
 
 
 # -- lifting Dynamo's graphs --------------------------------------------------------------
@@ -268,9 +433,13 @@ def _module_path(node, root):
     return ".".join(parts[2:]), cls   # below the root (L.self / L.fn)
 
 
-def _root(gm):
+def _root(gm, owner=None):
     """(path, class) of the compiled module: ("", its class), or (None, None) for a
-    compiled function (its ops are outside any module, as in eager)."""
+    compiled function (its ops are outside any module, as in eager). ``owner`` is
+    the module whose method Dynamo compiles, when known (Dynamo's module stacks
+    start below it)."""
+    if owner is not None:
+        return "", owner
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
@@ -361,10 +530,15 @@ class LiftedGraph:
         self.module_paths = {}
 
 
-def lift_dynamo_graph(gm):
+def lift_dynamo_graph(gm, owner=None):
     """Lifts the FX graph Dynamo captured into the IR: one op per call that an
     eager run would see as a point, ids computed like eager ids (module path,
     calling function, line, op name, occurrence).
+
+    Args:
+        gm: the ``GraphModule`` Dynamo captured.
+        owner: the class of the module whose method Dynamo compiles (the root of
+            the module paths), or None for a function.
 
     Returns:
         A `LiftedGraph`.
@@ -374,7 +548,7 @@ def lift_dynamo_graph(gm):
 
     lifted = LiftedGraph()
     values, counts, used = {}, {}, set()
-    root = _root(gm)
+    root = _root(gm, owner)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
@@ -621,7 +795,13 @@ class InstrumentingBackend:
         self.graphs = 0
 
     def __call__(self, gm, example_inputs, **kwargs):
-        lifted = lift_dynamo_graph(gm)
+        breaks = getattr(_tls, "breaks", None)
+        if breaks is not None and _graph_breaks() != breaks:
+            # a partial graph before a graph break: the frame's code is dropped
+            # and the call runs eagerly (_WatchedFrames), so the tools' analysis
+            # must not see these ops twice
+            return gm.forward
+        lifted = lift_dynamo_graph(gm, getattr(_tls, "owner", None))
         plan = analyse(lifted, self.session)
         self.graphs += 1
         if plan:
