@@ -12,13 +12,20 @@ import amanda  # noqa: E402
 from amanda import portable  # noqa: E402
 from amanda.runtime import pytorch_compiled  # noqa: E402
 
+_DEFAULT = pytorch_compiled.ENABLED      # as imported, before any test sets it
+
 
 @pytest.fixture(autouse=True)
 def compiled_path():
-    """These tests are about the opt-in compiled path."""
+    """These tests are about the compiled path (the default; set again in case
+    another test changed it)."""
     saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
     yield
     pytorch_compiled.ENABLED = saved
+
+
+def test_the_compiled_path_is_the_default():
+    assert _DEFAULT is True
 
 
 class CountBefore(amanda.Tool):
@@ -233,8 +240,8 @@ class BreakOnNonzero(torch.nn.Module):
         return h + torch.nonzero(h > 0.1).shape[0]
 
 
-def test_by_default_a_compiled_model_has_exactly_the_points_of_eager():
-    pytorch_compiled.ENABLED = False      # the default (the fixture restores it)
+def test_disabled_compiled_path_gives_exactly_the_points_of_eager():
+    pytorch_compiled.ENABLED = False      # force_eager inside apply (the fixture restores it)
     torch.manual_seed(0)
     model, x = BreakOnNonzero(), torch.rand(2, 4)
     counts = []
@@ -397,3 +404,31 @@ def test_graph_break_falls_back_to_eager_once_per_callable():
     assert pytorch_compiled.EAGER_FALLBACKS["graph break"] >= 1
     compiled(x)                       # outside apply: Dynamo's own compiled code, graph break and all
     assert backend.graphs >= 2
+
+
+class ReplaceGelu(amanda.Tool):
+    """``replace_op``: not carried by compiled graphs yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        if context.get_op_name() == "gelu":
+            context.replace_op(torch.relu)
+
+
+def test_actions_compiled_graphs_cannot_carry_fall_back_to_eager():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8)
+    with amanda.apply(ReplaceGelu()):
+        expected = model(x)
+    compiled = torch.compile(model, backend="eager")
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    with amanda.apply(ReplaceGelu()):
+        out = compiled(x)
+        again = compiled(x)
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    assert not torch.equal(out, model(x))
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
+    assert any("replace_op" in reason for reason in pytorch_compiled.EAGER_FALLBACKS)

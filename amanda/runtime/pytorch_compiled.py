@@ -69,13 +69,13 @@ _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
-#: Opt-in. False (the default): compiled callables inside ``apply`` run
-#: eagerly (Dynamo's ``force_eager`` stance), so every op is a point, exactly
-#: as in eager. True: they run instrumented compiled graphs (this module),
-#: at compiled speed, with the limits in docs/pytorch-compiled.md. A compiled
-#: callable in which Dynamo breaks the graph runs eagerly inside ``apply``
-#: (see `EAGER_FALLBACKS`), so no op runs outside amanda's sight.
-ENABLED = False
+#: True (the default): compiled callables inside ``apply`` run instrumented
+#: compiled graphs (this module), with the limits in docs/pytorch-compiled.md;
+#: what those graphs cannot show or carry (a graph break, backward routines...)
+#: runs eagerly, every op a point (see `EAGER_FALLBACKS`). False: compiled
+#: callables inside ``apply`` always run eagerly (Dynamo's ``force_eager``
+#: stance), exactly as eager.
+ENABLED = True
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
 #: have run part of their code outside its graphs (a graph break, a frame it
@@ -333,9 +333,12 @@ def _run_eagerly():
 class _WatchedFrames:
     """Dynamo's per-frame callback for amanda's compiled calls. Dynamo calls it
     for a frame that has no cached code; the frame has not started. If the code
-    Dynamo makes for it would run anything outside its graphs, that code is
-    dropped (never cached, never run) and the call falls back to eager before
-    any of the frame runs: amanda's mode sees every op of it, as in eager."""
+    Dynamo makes for it would run anything outside its graphs, or the tools
+    asked for an action compiled graphs cannot carry yet (``replace_op``, an
+    after-routine on a multi-output op, a Python routine under
+    ``amanda.ad_enabled()``), that code is dropped (never cached, never run)
+    and the call falls back to eager before any of the frame runs: amanda's
+    mode sees every op of it, as in eager."""
 
     def __init__(self, inner, user_callback):
         self.inner = inner
@@ -349,13 +352,15 @@ class _WatchedFrames:
             return _run_eagerly()         # the call fell back: the rest of it runs eagerly
         breaks = _graph_breaks()
         _tls.breaks = breaks
+        _tls.unsupported = None
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else None
         try:
             result = self.inner(frame, cache_entry, frame_state)
         finally:
             _tls.breaks = _tls.owner = None
-        reason = _outside_graphs(frame, result, breaks, call)
+        reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
+        _tls.unsupported = None
         if reason is None:
             return result
         call.fall_back(reason)
@@ -805,5 +810,13 @@ class InstrumentingBackend:
         plan = analyse(lifted, self.session)
         self.graphs += 1
         if plan:
-            insert_actions(gm, lifted, plan)
+            try:
+                insert_actions(gm, lifted, plan)
+            except BackendError as error:
+                if breaks is None:
+                    raise          # not under amanda's frame callback: say it
+                # an action compiled graphs cannot carry yet (replace_op...): the
+                # frame's code is dropped and the call runs eagerly (_WatchedFrames)
+                _tls.unsupported = str(error)
+                return gm.forward
         return self.compiler(gm, example_inputs, **kwargs)
