@@ -146,9 +146,18 @@ class OpContext(dict):
         return self._recomputation
 
     def get_module_path(self):
-        """Dotted path of the innermost module running the op ("" for the
-        root module, None outside any module), where the backend knows it."""
-        return self._module_path
+        """Where the op sits in the model, on every backend.
+
+        PyTorch: the dotted path of the innermost module running the op
+        (``""`` for the root module). TensorFlow: the op's name scope
+        (``"dense_1"`` for ``"dense_1/MatMul"``). ONNX: the module path a
+        PyTorch exporter encoded in the node name. None outside any module.
+        The rule is the backend's (:mod:`amanda.runtime.tool_support`).
+        """
+        if self._module_path is not None:   # recorded by the runtime
+            return self._module_path
+        from amanda.runtime.tool_support import module_path_from_op
+        return module_path_from_op(self)
 
     def get_ir_op(self):
         """The op lifted into the amanda IR, where a graph is being traced."""

@@ -2,10 +2,14 @@
 
 The FLOPs profiler, the op profiler and the pruning tool (and anything else
 that groups ops by module) call :func:`module_path_of`, so one op gets the
-same module path in all of them.
+same module path in all of them. The rule is the backend's, applied by
+:meth:`amanda.OpContext.get_module_path` (see
+:mod:`amanda.runtime.tool_support`); this module keeps the tools' import path.
 """
 
 from __future__ import annotations
+
+from amanda.runtime.onnx_tools import onnx_module_path
 
 __all__ = ["module_path_of", "onnx_module_path"]
 
@@ -31,31 +35,4 @@ def module_path_of(context):
         scope, an ONNX node whose name carries no scope. ``""`` only ever
         means PyTorch's root module, never "unknown".
     """
-    namespace = context.namespace or ""
-    if namespace.startswith("tensorflow"):
-        op = context.get_op() if context.get_op() is not None else context.get_backward_op()
-        name = getattr(op, "name", None) or ""
-        scope = name.rpartition("/")[0]
-        return scope or None
-    if namespace.startswith("onnx"):
-        return onnx_module_path(getattr(context.get_op(), "name", None) or "")
     return context.get_module_path()
-
-
-def onnx_module_path(node_name):
-    """The module path a PyTorch exporter encoded in an ONNX node's name, or None.
-
-    ``"/encoder/stages.0/layer/layer.1/conv/Conv"`` -> ``"encoder.stages.0.layer.1.conv"``:
-    the last segment is the op, and a called container's segment (``layer``)
-    is followed by its child's as ``layer.1``, which replaces it.
-    """
-    segments = [s for s in node_name.split("/") if s][:-1]
-    if not segments:
-        return None
-    path = []
-    for segment in segments:
-        if path and segment.startswith(path[-1] + "."):
-            path[-1] = segment
-        else:
-            path.append(segment)
-    return ".".join(path)

@@ -1,0 +1,104 @@
+"""ONNX knowledge for the built-in tools (see :mod:`amanda.runtime.tool_support`).
+
+Protobuf fields of ``onnx.NodeProto``/``ValueInfoProto``, the ONNX
+frontend's metadata (``attrs["_onnx"]``) and the element types the runtime
+can hand to a Python routine are read here, so tools never touch them.
+Importing this module imports neither onnx nor onnxruntime.
+"""
+
+from __future__ import annotations
+
+__all__ = ["HOSTED_DTYPES", "attrs_for_new_op", "hosted", "int_attribute", "is_whole_graph",
+           "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
+           "static_shape"]
+
+#: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
+#: routine, with their ONNX element types: the keys of
+#: ``amanda.runtime.onnx_host._HOSTED_DTYPES`` (float16 and bfloat16 are
+#: not supported by onnxruntime-extensions' Python ops). Kept as codes so
+#: that reading them loads neither onnx nor the extensions.
+HOSTED_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,
+                 "int64": 7, "bool": 9, "float64": 11, "uint32": 12, "uint64": 13}
+_HOSTED_ELEM_TYPES = frozenset(HOSTED_DTYPES.values())
+
+
+def module_path_from_op(context):
+    """The module path a PyTorch exporter encoded in the node's name, or None."""
+    return onnx_module_path(getattr(context.get_op(), "name", None) or "")
+
+
+def onnx_module_path(node_name):
+    """The module path a PyTorch exporter encoded in an ONNX node's name, or None.
+
+    ``"/encoder/stages.0/layer/layer.1/conv/Conv"`` -> ``"encoder.stages.0.layer.1.conv"``:
+    the last segment is the op, and a called container's segment (``layer``)
+    is followed by its child's as ``layer.1``, which replaces it.
+    """
+    segments = [s for s in node_name.split("/") if s][:-1]
+    if not segments:
+        return None
+    path = []
+    for segment in segments:
+        if path and segment.startswith(path[-1] + "."):
+            path[-1] = segment
+        else:
+            path.append(segment)
+    return ".".join(path)
+
+
+def is_whole_graph(graph):
+    """A lifted ONNX model is always a whole graph."""
+    return bool(graph.ops)
+
+
+def stable_op_id(op):
+    """Nodes are identified by name."""
+    return op.name
+
+
+def node_attribute(node, name, default):
+    """The value of attribute ``name`` of an ``onnx.NodeProto``, or ``default``."""
+    for attr in node.attribute:
+        if attr.name == name:
+            import onnx
+            return onnx.helper.get_attribute_value(attr)
+    return default
+
+
+def int_attribute(node, name, default=0):
+    """The integer field of attribute ``name`` of a node (anything with
+    ``attribute``), or ``default`` when it has none."""
+    for attr in getattr(node, "attribute", ()):
+        if attr.name == name:
+            return attr.i
+    return default
+
+
+def static_shape(value):
+    """The static shape of an ``onnx.ValueInfoProto`` (duck-typed), or None
+    when its rank or a dimension is unknown or symbolic."""
+    tensor_type = getattr(getattr(value, "type", None), "tensor_type", None)
+    if tensor_type is None or not value.type.HasField("tensor_type") \
+            or not tensor_type.HasField("shape"):
+        return None
+    sizes = []
+    for d in tensor_type.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        sizes.append(int(d.dim_value))
+    return tuple(sizes)
+
+
+def hosted(value):
+    """Whether a tensor (an ``onnx.ValueInfoProto``) can be handed to a
+    hosted Python routine: its element type is one of :data:`HOSTED_DTYPES`."""
+    return value is not None and value.type.tensor_type.elem_type in _HOSTED_ELEM_TYPES
+
+
+def attrs_for_new_op(attrs):
+    """A copy of a lifted node's attrs for a new node: the frontend's
+    metadata is kept but for the node name, which must stay unique."""
+    attrs = dict(attrs)
+    if isinstance(attrs.get("_onnx"), dict):
+        attrs["_onnx"] = {k: v for k, v in attrs["_onnx"].items() if k != "name"}
+    return attrs

@@ -1,0 +1,106 @@
+"""PyTorch knowledge for the built-in tools (see :mod:`amanda.runtime.tool_support`).
+
+What the PyTorch runtime records (module paths, stable op ids) and how the
+PyTorch frontends encode a call's non-tensor arguments in IR attributes
+(``attrs["args"]``/``attrs["kwargs"]``, a tensor argument written as
+``{"$input": position}``) are read here, so tools never decode them
+themselves. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs",
+           "is_whole_graph", "module_path_from_op", "stable_op_id"]
+
+_INPUT = "$input"   # how a captured call refers to its tensor inputs
+
+
+def module_path_from_op(context):
+    """None: the runtime records the module path of every op run inside a
+    module (``OpContext.get_module_path``), so an op without one is outside
+    every module."""
+    return None
+
+
+def is_whole_graph(graph):
+    """Whether ``graph`` is a whole captured program rather than an eager
+    step traced op by op (whose ops carry the runtime's ``op_id``)."""
+    return bool(graph.ops) and "op_id" not in graph.ops[0].attrs
+
+
+def stable_op_id(op):
+    """The stable op id of a lifted op: the eager trace's ``op_id``, else its name."""
+    return op.attrs.get("op_id", op.name)
+
+
+def call_arguments(op, names):
+    """Name the non-tensor positional arguments and keyword arguments of a
+    lifted PyTorch call.
+
+    Args:
+        op: an IR op lifted from a PyTorch call.
+        names: the names of its positional non-tensor arguments, in order. A
+            leading ``"*bias"`` stands for an optional tensor that may be
+            absent (written as None, as a conv's ``bias=None``) when the op
+            has fewer than three tensor inputs.
+
+    Returns:
+        ``{name: value}``, keyword arguments included.
+    """
+    args = list(op.attrs.get("args", ()))
+    if names and names[0] == "*bias":
+        if len(op.inputs) == 2 and args and args[0] is None:
+            args = args[1:]
+        names = names[1:]
+    bound = dict(zip(names, args))
+    bound.update(op.attrs.get("kwargs", {}))
+    return bound
+
+
+def call_attrs(target, args, kwargs=None):
+    """The attributes and tensor inputs of a new captured-PyTorch call.
+
+    Args:
+        target: the operator (``"aten.mul.Tensor"``).
+        args, kwargs: the call's arguments, IR tensors and constants mixed.
+
+    Returns:
+        ``(attrs, inputs)``: ``attrs`` holds ``target``, ``args`` and
+        ``kwargs`` with each IR tensor replaced by a reference to its
+        position in ``inputs``.
+    """
+    inputs = []
+
+    def encode(value):
+        if hasattr(value, "producer") and hasattr(value, "uses"):  # an IR tensor
+            inputs.append(value)
+            return {_INPUT: len(inputs) - 1}
+        if isinstance(value, (list, tuple)):
+            return [encode(v) for v in value]
+        return value
+
+    attrs = {"target": target, "args": encode(list(args)), "kwargs": encode(dict(kwargs or {}))}
+    return attrs, inputs
+
+
+def call_argument(op, position, default=None):
+    """Positional argument ``position`` of a captured call: the IR tensor or the constant."""
+    args = op.attrs.get("args", [])
+    if position >= len(args):
+        return default
+    value = args[position]
+    if isinstance(value, dict) and set(value) == {_INPUT}:
+        return op.inputs[value[_INPUT]]
+    return value
+
+
+def as_tensor_like(tensor):
+    """A function turning an array into a torch tensor of ``tensor``'s dtype and device."""
+    dtype, device = tensor.dtype, tensor.device
+
+    def as_tensor(array):
+        import numpy as np
+        import torch
+        return torch.as_tensor(np.asarray(array), dtype=dtype, device=device)
+
+    return as_tensor

@@ -1,0 +1,30 @@
+"""TensorFlow knowledge for the built-in tools (see :mod:`amanda.runtime.tool_support`).
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+__all__ = ["is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id"]
+
+
+def name_scope(op_name):
+    """The name scope of a TF op name (``"dense_1"`` for ``"dense_1/MatMul"``), or None."""
+    return (op_name or "").rpartition("/")[0] or None
+
+
+def module_path_from_op(context):
+    """The op's name scope; for a backward context without a forward op, the
+    backward op's. None for an op outside every name scope."""
+    op = context.get_op() if context.get_op() is not None else context.get_backward_op()
+    return name_scope(getattr(op, "name", None))
+
+
+def is_whole_graph(graph):
+    """A lifted TF graph is always a whole graph."""
+    return bool(graph.ops)
+
+
+def stable_op_id(op):
+    """Graph ops are identified by name."""
+    return op.name

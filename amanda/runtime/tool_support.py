@@ -1,0 +1,73 @@
+"""Backend knowledge the built-in tools need, reached by namespace.
+
+Tools are written against canonical keys and the public API; where they must
+know something only a backend knows (where an op sits in the model, how a
+frontend encoded an op's arguments, which ONNX element types a hosted
+routine can receive), they ask the backend's *tool-support module* through
+:func:`support_for`. One module per backend, named in :data:`SUPPORT` and
+imported on first use, as :data:`amanda.runtime.EAGER_DRIVERS` are: a
+context of a backend only exists once its framework is loaded, and the
+support modules themselves import their framework only inside the functions
+that need it.
+
+Every support module exposes:
+
+* ``module_path_from_op(context)`` -> str or None: the module path of the
+  context's op where the runtime recorded none (see :func:`module_path_from_op`);
+* ``is_whole_graph(graph)`` -> bool: whether a lifted IR graph is a whole
+  program rather than a step traced op by op;
+* ``stable_op_id(op)``: the id ``context.get_op_id()`` gives the IR op.
+
+Backend-specific helpers (``pytorch_tools.call_arguments``,
+``onnx_tools.node_attribute``, ...) are documented in each module.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["SUPPORT", "module_path_from_op", "support_for"]
+
+#: backend (first part of a namespace) -> its tool-support module
+SUPPORT = {
+    "pytorch": "amanda.runtime.pytorch_tools",
+    "tensorflow": "amanda.runtime.tensorflow_tools",
+    "onnx": "amanda.runtime.onnx_tools",
+}
+
+
+def support_for(namespace):
+    """The tool-support module of a backend, or None for an unknown one.
+
+    Args:
+        namespace: a context namespace (``"onnx/21/graph"``) or a backend
+            name (``"onnx"``); None or ``""`` is unknown.
+
+    Returns:
+        The module (imported on first use), or None.
+    """
+    name = SUPPORT.get((namespace or "").split("/", 1)[0])
+    return None if name is None else importlib.import_module(name)
+
+
+def module_path_from_op(context):
+    """The module path the backend derives from the context's op, for
+    :meth:`amanda.OpContext.get_module_path` when the runtime recorded none.
+
+    - PyTorch: None (the runtime records the path of every op run inside a
+      module, so an op without one is outside every module).
+    - TensorFlow: the op's name scope, ``/``-separated (``"dense_1"`` for
+      ``"dense_1/MatMul"``); for a backward context without a forward op,
+      the backward op's name scope.
+    - ONNX: the module path a PyTorch exporter encoded in the node name
+      (``onnx_tools.onnx_module_path``).
+
+    Args:
+        context: an :class:`amanda.OpContext`, forward or backward.
+
+    Returns:
+        The path, or None when the op is outside any module or the backend
+        is unknown.
+    """
+    support = support_for(context.namespace)
+    return None if support is None else support.module_path_from_op(context)
