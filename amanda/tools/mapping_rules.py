@@ -62,6 +62,7 @@ import re
 
 import numpy as np
 
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_tables
 
 __all__ = [
@@ -157,13 +158,7 @@ def pytorch_weight_rule(context):
         return
     weight = context.get_inputs()[position]
     context["weight"] = weight.detach().cpu().numpy().copy()
-    dtype, device = weight.dtype, weight.device
-
-    def as_tensor(array):
-        import torch
-        return torch.as_tensor(np.asarray(array), dtype=dtype, device=device)
-
-    context["as_tensor"] = as_tensor
+    context["as_tensor"] = support_for("pytorch").as_tensor_like(weight)
 
 
 # -- TensorFlow ----------------------------------------------------------------------
@@ -231,7 +226,7 @@ def tensorflow_weight_rule(context):
 
 #: ONNX op types -> canonical type (``MatMul``/``Gemm``/``Gather`` are decided
 #: by whether their weight input is an initializer).
-ONNX_TYPES = {name: spec.canonical for name, spec in mapping_tables._INDEX["onnx"].items()}
+ONNX_TYPES = {name: spec.canonical for name, spec in mapping_tables.backend_ops("onnx").items()}
 ONNX_TYPES.update({"Relu": "relu", "Add": "add", "Mul": "mul"})
 
 
@@ -261,11 +256,7 @@ def onnx_rule(context):
 
 
 def _onnx_attr(node, name, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            import onnx
-            return onnx.helper.get_attribute_value(attr)
-    return default
+    return support_for("onnx").node_attribute(node, name, default)
 
 
 def _onnx_type(context, node):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BACKENDS", "TABLE", "OpSpec", "convert_layout", "lookup", "specs"]
+__all__ = ["BACKENDS", "TABLE", "OpSpec", "backend_ops", "convert_layout", "lookup", "specs"]
 
 BACKENDS = ("pytorch", "tensorflow", "onnx")
 
@@ -231,6 +231,19 @@ def lookup(namespace, op_name, canonical=None):
         spec = TABLE.get(canonical, {}).get(backend)
         return spec if spec is not None and op_name in spec.ops else None
     return _INDEX.get(backend, {}).get(op_name)
+
+
+def backend_ops(backend):
+    """``{op name: OpSpec}`` of every op of one backend that the table names.
+
+    Args:
+        backend: ``"pytorch"``, ``"tensorflow"`` or ``"onnx"`` (or a full
+            context namespace).
+
+    Returns:
+        A new dict; empty for a backend the table does not know.
+    """
+    return dict(_INDEX.get(_backend(backend), {}))
 
 
 def specs(canonical):
