@@ -61,11 +61,9 @@ def instrument(program, *tools):
 def instrument_ir(graph, session):
     """``amanda.instrument`` for an :class:`amanda.ir.Graph`."""
     from amanda.ir import Graph
-    from amanda.passes.instrumentation import GraphBackend, InstrumentationPass
-    from amanda.passes.lower_actions import LowerActionsPass
-    from amanda.passes.manager import PassManager
+    from amanda.passes.instrumentation import GraphBackend
+    from amanda.passes.pipeline import instrument_graph
     if not isinstance(graph, Graph):
         raise BackendError(f"amanda.instrument cannot instrument a {type(graph).__name__}")
-    analyse = InstrumentationPass(session, GraphBackend(graph.namespace))
-    manager = PassManager([analyse, LowerActionsPass(analyse)], name="amanda.instrument")
-    return manager(graph).graph
+    return instrument_graph(graph, session, GraphBackend(graph.namespace),
+                            name="amanda.instrument")[1]

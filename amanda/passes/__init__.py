@@ -11,6 +11,10 @@ passes already run when one fails (see `amanda.passes.manager`). The passes:
   ``amanda.routine`` ops (`LowerActionsPass`; `lower_actions` returns the graph);
 * `amanda.passes.rewrite`: subgraph rewriting by pattern rules (`RewritePass`;
   `apply_rules` returns a `RewriteResult`, itself a `PassResult`).
+
+`amanda.passes.pipeline.instrument_graph` is the one pipeline the graph
+backends run between their frontend and their lowering: instrument, backend
+extras, ``graph_completed``, ``lower_actions``.
 """
 
 from amanda.passes.manager import PassError, PassManager, PassResult

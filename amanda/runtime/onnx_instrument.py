@@ -21,8 +21,9 @@ from onnx import helper
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.onnx import lift, load_model
-from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
-from amanda.passes.lower_actions import lower_actions
+from amanda.passes.instrumentation import GraphBackend
+from amanda.passes.manager import PassResult
+from amanda.passes.pipeline import instrument_graph
 from amanda.runtime import swapped
 from amanda.runtime.onnx_bodies import _analyse_bodies, _bodies, _lower_bodies
 from amanda.runtime.onnx_host import _original_init
@@ -204,16 +205,18 @@ def _instrument(model, session, callbacks):
     ir_graph = lift(model, nodes=nodes)
     _complete_types(model, ir_graph)
     bodies = {}
-    # analysis is amanda's own work, and evaluate() runs onnxruntime sessions
-    with controls.muted(), _probing(_Probe(model, ir_graph, nodes)):
-        backend = OnnxGraphBackend(ir_graph, nodes)
-        plan = run_instrumentation_pass(ir_graph, session, backend)
-        _analyse_bodies(ir_graph, session, backend, bodies)
-    if session.requires_graph:
-        session.graph_completed(ir_graph)
+    backend = OnnxGraphBackend(ir_graph, nodes)
+
+    def analyse_bodies(graph):
+        _analyse_bodies(graph, session, backend, bodies)
+        return PassResult(graph, False)
+
+    analyse_bodies.name = "onnx_bodies"
+    with _probing(_Probe(model, ir_graph, nodes)):   # evaluate() runs onnxruntime sessions
+        plan, lowered = instrument_graph(ir_graph, session, backend, extras=[analyse_bodies],
+                                         name="onnx")
     if not plan and not any(bodies.values()):
         return None, None
-    lowered = lower_actions(ir_graph, plan)
     _lower_bodies(lowered, bodies)
     lowering = _Lowering(lowered, callbacks)
     return lowering.model(), lowering

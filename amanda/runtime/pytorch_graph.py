@@ -44,8 +44,9 @@ from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.pytorch_graph import NAMESPACE, decode_args, lift_exported_program, resolve_target
 from amanda.frontends.pytorch_targets import check_attr_path
-from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
-from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.passes.instrumentation import GraphBackend
+from amanda.passes.lower_actions import ROUTINE
+from amanda.passes.pipeline import instrument_graph
 from amanda.runtime.pytorch import _StraightThrough
 from amanda.runtime.routines import call_routine
 
@@ -159,11 +160,8 @@ class CapturedProgram:
         return program
 
     def _instrumented_graph(self, session):
-        with controls.muted():
-            plan = run_instrumentation_pass(self.graph, session, TorchGraphBackend(self._fx_nodes))
-            if session.requires_graph:  # graph tools get the whole graph, as on the other graph backends
-                session.graph_completed(self.graph)
-        return lower_actions(self.graph, plan)
+        return instrument_graph(self.graph, session, TorchGraphBackend(self._fx_nodes),
+                                name="pytorch capture")[1]
 
     def structural_hash(self):
         """The graph's structural hash, the cache key of lowered modules.

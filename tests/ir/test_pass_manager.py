@@ -211,3 +211,26 @@ def test_rewrite_removal_order_puts_users_first(graph, data):
         for producer in [t.producer for t in op.inputs] + list(op.control_inputs):
             if producer in position:
                 assert position[op] < position[producer]
+
+
+def test_amanda_instrument_hands_graph_tools_the_graph_like_every_backend():
+    """The one pipeline (amanda.passes.pipeline) runs graph_completed for
+    requires_graph tools; amanda.instrument on an IR graph skipped it."""
+    graph = chain()
+    seen = []
+
+    class Whole(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.requires_graph = True
+            self.add_inst_for_op(self.analyse)
+
+        def analyse(self, context):
+            context.insert_before_op(lambda *xs: None)
+
+        def graph_completed(self, g):
+            seen.append([op.name for op in g.ops])
+
+    lowered = amanda.instrument(graph, Whole())
+    assert seen == [[op.name for op in graph.ops]]
+    assert sum(op.type == ROUTINE for op in lowered.ops) == len(graph.ops)
