@@ -69,6 +69,7 @@ import numpy as np
 
 import amanda
 from amanda.errors import ToolError
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools.effective_path_params import PARAM_READERS, _canonical_call, _params
 from amanda.tools.effective_path_rules import (  # the rule table; names re-exported
@@ -542,8 +543,11 @@ class EffectivePathTool(amanda.Tool):
 
 def _whole_graph(graph):
     """Whether ``graph`` is a whole graph (ONNX, TensorFlow), not an eager
-    step traced op by op (whose ops carry an ``op_id``)."""
-    return bool(graph.ops) and "op_id" not in graph.ops[0].attrs
+    step traced op by op (the backend says)."""
+    if not graph.ops:
+        return False
+    support = support_for(graph.ops[0].namespace or graph.namespace)
+    return True if support is None else support.is_whole_graph(graph)
 
 
 def _default_output(forward):
@@ -560,9 +564,10 @@ def _default_output(forward):
 
 
 def _op_key(op):
-    """The stable op id of an IR op: the eager trace's ``op_id`` attr; the
-    op name on graph backends (what ``context.get_op_id()`` returns there)."""
-    return op.attrs.get("op_id", op.name)
+    """The stable op id of an IR op (what ``context.get_op_id()`` returned
+    for it): the backend says; the op name by default."""
+    support = support_for(op.namespace)
+    return op.name if support is None else support.stable_op_id(op)
 
 
 class _EagerValues:

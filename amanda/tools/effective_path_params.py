@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from amanda.errors import ToolError
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_tables
 from amanda.tools.effective_path_rules import OpValues
 
@@ -28,17 +29,9 @@ def _pair(value, default):
 
 
 def _bind(op, names):
-    """Name the non-tensor positional args (``attrs["args"]``) and kwargs of a
-    traced PyTorch call. A leading None stands for an absent optional tensor
-    (a conv's ``bias=None``) when the op has fewer tensor inputs than usual."""
-    args = list(op.attrs.get("args", ()))
-    if names and names[0] == "*bias":
-        if len(op.inputs) == 2 and args and args[0] is None:
-            args = args[1:]
-        names = names[1:]
-    bound = dict(zip(names, args))
-    bound.update(op.attrs.get("kwargs", {}))
-    return bound
+    """Name the non-tensor arguments of a traced PyTorch call (the frontend's
+    encoding is decoded by the PyTorch support module)."""
+    return support_for("pytorch").call_arguments(op, names)
 
 
 def _torch_conv_params(op, values):
