@@ -264,12 +264,16 @@ def test_disabled_compiled_path_gives_exactly_the_points_of_eager():
 
 
 class CountPoints(amanda.Tool):
-    """Counts every (op id, point) execution, before and after every forward op."""
+    """Counts every (op id, point) execution, before and after every forward op.
+
+    (Not ``require_outputs``: eager then analyses an op after its first
+    execution, so that execution has no before-point, while compiled graphs
+    are analysed before they run.)"""
 
     def __init__(self):
         super().__init__()
         self.executions = collections.Counter()
-        self.add_inst_for_op(self.analysis, require_outputs=True)
+        self.add_inst_for_op(self.analysis)
 
     def analysis(self, context):
         op_id = context.get_op_id()
@@ -342,8 +346,32 @@ class Hooked(torch.nn.Module):
         return torch.relu(self.fc(x))
 
 
+class Tree(torch.nn.Module):
+    """User modules inside user modules, no graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(), torch.nn.ReLU(), torch.nn.Linear(4, 8), Block())
+
+    def forward(self, x):
+        return torch.tanh(self.blocks(x)) * 2
+
+
+_tree = Tree()
+
+
+def _calls_module(x):
+    return torch.sigmoid(_tree(x)) + 1
+
+
 _SINK = io.StringIO()
+#: programs without a graph break: they run compiled, and must give eager's points too
+UNBROKEN = {
+    "no break: module tree": lambda: Tree(),
+    "no break: function calling a module": lambda: _calls_module,
+}
 PROGRAMS = {
+    **UNBROKEN,
     "nonzero": lambda: BreakOnNonzero(),
     "item": lambda: _item_branch,
     "print": lambda: _printing,
@@ -356,7 +384,7 @@ PROGRAMS = {
 
 
 def _input(name):
-    return torch.rand(2, 8) if name == "graph_break" else torch.rand(2, 4)
+    return torch.rand(2, 8) if name == "graph_break" or name in UNBROKEN else torch.rand(2, 4)
 
 
 def _points(module, x, compiled_path):
@@ -375,7 +403,10 @@ def test_graph_breaks_lose_no_point(name):
     compiled = torch.compile(program, backend="eager")
     eager = _points(compiled, x, compiled_path=False)
     assert len(eager) >= 4
+    fallbacks = sum(pytorch_compiled.EAGER_FALLBACKS.values())
     assert _points(compiled, x, compiled_path=True) == eager
+    if name in UNBROKEN:
+        assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == fallbacks   # ran compiled
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -354,7 +354,7 @@ class _WatchedFrames:
         _tls.breaks = breaks
         _tls.unsupported = None
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else None
+        _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else _FUNCTION
         try:
             result = self.inner(frame, cache_entry, frame_state)
         finally:
@@ -438,11 +438,17 @@ def _module_path(node, root):
     return ".".join(parts[2:]), cls   # below the root (L.self / L.fn)
 
 
+#: ``owner`` of a graph Dynamo captured from a function (no module around it).
+_FUNCTION = object()
+
+
 def _root(gm, owner=None):
     """(path, class) of the compiled module: ("", its class), or (None, None) for a
     compiled function (its ops are outside any module, as in eager). ``owner`` is
     the module whose method Dynamo compiles, when known (Dynamo's module stacks
     start below it)."""
+    if owner is _FUNCTION:
+        return None, None
     if owner is not None:
         return "", owner
     for node in gm.graph.nodes:
@@ -543,7 +549,8 @@ def lift_dynamo_graph(gm, owner=None):
     Args:
         gm: the ``GraphModule`` Dynamo captured.
         owner: the class of the module whose method Dynamo compiles (the root of
-            the module paths), or None for a function.
+            the module paths), `_FUNCTION` for a function, or None (unknown: read
+            from Dynamo's module stacks).
 
     Returns:
         A `LiftedGraph`.
