@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import amanda
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
 from amanda.tools.flops_formulas import (  # the formula table; public names re-exported
@@ -53,7 +54,6 @@ from amanda.tools.flops_formulas import (  # the formula table; public names re-
     RNN_ELEMENTWISE,
     SOFTMAX_TYPES,
     ZERO_FLOP_TYPES,
-    _ONNX_HOSTED,
     _TF_BACKWARD,
     _TORCH_BACKWARD,
     _apply,
@@ -220,7 +220,7 @@ class FlopsProfiler(amanda.Tool):
         needed = _needed_inputs(formula, op_type, "onnx")
         values = list(inputs[:needed]) + list(outputs[:1])
         if len(inputs) < needed or not outputs or any(
-                v is None or v.type.tensor_type.elem_type not in _ONNX_HOSTED for v in values):
+                not support_for("onnx").hosted(v) for v in values):
             return False
         key = (context.namespace, context.get_op_id())
         self._dynamic[key] = (formula, op_type, module, context.get_op(), len(inputs))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from amanda.runtime.tool_support import support_for
 from amanda.tools._shapes import dims
 
 __all__ = ["BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES", "FORMULAS", "MATMUL_TYPES",
@@ -94,25 +95,13 @@ def _shape(tensor):
 
 
 def _onnx_shape(value):
-    """The static shape of an ``onnx.ValueInfoProto`` (duck-typed: ``onnx`` is
-    not imported), or None when its rank or a dimension is unknown or symbolic."""
-    tensor_type = getattr(getattr(value, "type", None), "tensor_type", None)
-    if tensor_type is None or not value.type.HasField("tensor_type") \
-            or not tensor_type.HasField("shape"):
-        return None
-    sizes = []
-    for d in tensor_type.shape.dim:
-        if not d.HasField("dim_value"):
-            return None
-        sizes.append(int(d.dim_value))
-    return tuple(sizes)
+    """The static shape of an ``onnx.ValueInfoProto``, or None (read by the
+    ONNX support module; ``onnx`` is not imported)."""
+    return support_for("onnx").static_shape(value)
 
 
 def _onnx_attr(node, name, default=0):
-    for attr in getattr(node, "attribute", ()):
-        if attr.name == name:
-            return attr.i
-    return default
+    return support_for("onnx").int_attribute(node, name, default)
 
 
 def _attr(op, name, default=False):
@@ -248,10 +237,6 @@ def normalise_type(op_type, backend=None):
         return _ONNX_ALIASES.get(op_type, op_type)
     name = op_type.strip("_")
     return _TF_ALIASES.get(name, name)
-
-
-#: ONNX element types a hosted routine can receive (float16/bfloat16 cannot).
-_ONNX_HOSTED = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13})
 
 
 def _needed_inputs(formula, op_type, backend):
