@@ -364,11 +364,18 @@ def _calls_module(x):
     return torch.sigmoid(_tree(x)) + 1
 
 
+def _make_nested_function():
+    def nested_function(x):
+        return torch.cos(torch.sin(x)) * 3
+    return nested_function
+
+
 _SINK = io.StringIO()
 #: programs without a graph break: they run compiled, and must give eager's points too
 UNBROKEN = {
     "no break: module tree": lambda: Tree(),
     "no break: function calling a module": lambda: _calls_module,
+    "no break: nested function": _make_nested_function,
 }
 PROGRAMS = {
     **UNBROKEN,

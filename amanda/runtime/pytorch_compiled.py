@@ -355,10 +355,11 @@ class _WatchedFrames:
         _tls.unsupported = None
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else _FUNCTION
+        _tls.code = frame.f_code
         try:
             result = self.inner(frame, cache_entry, frame_state)
         finally:
-            _tls.breaks = _tls.owner = None
+            _tls.breaks = _tls.owner = _tls.code = None
         reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
         _tls.unsupported = None
         if reason is None:
@@ -508,6 +509,9 @@ def _qualname(cls, file, name):
             code = getattr(value, "__code__", None)
             if code is not None and code.co_name == name and code.co_filename == file:
                 return code.co_qualname
+    code = getattr(_tls, "code", None)      # the frame Dynamo compiles (a nested function...)
+    if code is not None and code.co_name == name and code.co_filename == file:
+        return code.co_qualname
     return name
 
 
