@@ -437,12 +437,176 @@ def _ops_in_bodies(ir_graph):
         return total
     found = []
     for op in ir_graph.ops:
+        if op.type in _BODY_ATTRS:
+            continue   # instrumented op by op (`_BodyRewrite`)
         bodies = [v for v in op.attrs.values() if isinstance(v, Graph)]
         if bodies:
             n = sum(count(body) for body in bodies)
             if n:
                 found.append((op, n))
     return found
+
+
+# Call ops whose function bodies are instrumented op by op: the attributes
+# naming the functions they run (a list for Case), and the stateful twin a
+# call becomes once its body holds a routine (a callback is stateful).
+_BODY_ATTRS = {
+    "While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
+    "If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+    "Case": ("branches",), "StatelessCase": ("branches",),
+    "PartitionedCall": ("f",), "StatefulPartitionedCall": ("f",),
+}
+_STATEFUL_TWIN = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case",
+                  "PartitionedCall": "StatefulPartitionedCall"}
+_body_names = itertools.count()
+
+
+def _called_functions(node):
+    """``(label, NameAttrList)`` per function a call NodeDef runs; the
+    label is the attribute, ``"branches/<i>"`` for Case's list (TF op names
+    cannot hold ONNX's ``[i]``)."""
+    for attr in _BODY_ATTRS.get(node.op, ()):
+        if attr not in node.attr:
+            continue
+        value = node.attr[attr]
+        if value.HasField("func"):
+            yield attr, value.func
+        elif value.HasField("list"):
+            for index, func in enumerate(value.list.func):
+                yield f"{attr}/{index}", func
+
+
+class _BodyProbe:
+    """`evaluate` inside a body: its values exist once per execution of the
+    body (each iteration, or never), so there is none to compute."""
+
+    def __init__(self, outer, prefix):
+        self.outer = outer
+        self.prefix = prefix
+
+    def session(self):
+        return None if self.outer is None else self.outer.session()
+
+    def evaluate(self, tensors):
+        raise BackendError(f"evaluate: tensors of the function body {self.prefix!r} have a value "
+                           "per execution of the body (each loop iteration, or none), not one "
+                           "per run; read them in an instrumentation routine instead")
+
+
+class _BodyRewrite:
+    """One function body, instrumented: a `_GraphRewrite` of the body's
+    graph, and the FunctionDef realising it (None when no routine landed in
+    it nor in a body nested in it: the call keeps the user's function).
+
+    The body's ops are imported under ``prefix`` (``"while/body"``) into a
+    graph of their own, so their names are their point ids and ``get_op()``
+    is the op of that graph; the copy keeps those names, and the new
+    function's signature is the original one (same arguments, same results,
+    in order).
+    """
+
+    def __init__(self, prefix, fdef, library, amanda_session, outer_probe):
+        from tensorflow.python.framework.func_graph import FuncGraph
+        self.prefix = prefix
+        self.original = fdef
+        user, inputs, outputs = _prefixed_body(prefix, fdef, library)
+        self.user = user
+        self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
+        self.rewrite.refresh(_BodyProbe(outer_probe, prefix))
+        self.fdef = None
+        if self.rewrite.realised or any(b.fdef is not None for b in self.rewrite.bodies):
+            self.fdef = self._function(inputs, outputs)
+
+    def functions(self):
+        """This body's FunctionDef and those of the bodies nested in it."""
+        found = [self.fdef]
+        for body in self.rewrite.bodies:
+            if body.fdef is not None:
+                found.extend(body.functions())
+        return found
+
+    def _function(self, inputs, outputs):
+        from tensorflow.python.framework.graph_to_function_def import graph_to_function_def
+        copy, rewrite = self.rewrite.copy, self.rewrite
+        ins = [copy.get_tensor_by_name(name) for name in inputs]
+        outs = [rewrite.tensor(name) for name in outputs]
+        user_ops = {op.name for op in self.user.get_operations()}
+        routines = [op for op in copy.get_operations()
+                    if op.name not in user_ops and op._is_stateful]
+        if routines and outs:
+            # the body's results wait on every routine: a routine on an
+            # argument (or after an op whose result is not returned) is tied
+            # to nothing else, and a lowered If would drop it with the
+            # branch's control outputs unless something read them
+            with copy.as_default():
+                done = tf.raw_ops.NoOp(name="amanda/routines_done")
+                for routine in routines:
+                    done._add_control_input(routine)
+                outs = [tf.identity(t, name="amanda/result") for t in outs]
+            for out in outs:
+                out.op._add_control_input(done)
+        original = self.original
+        fdef = graph_to_function_def(copy, copy.get_operations(), ins, outs,
+                                     [a.name for a in original.signature.output_arg])
+        fdef.signature.name = f"{original.signature.name}_amanda_{next(_body_names)}"
+        fdef.signature.is_stateful = True
+        for key in original.attr:
+            fdef.attr[key].CopyFrom(original.attr[key])
+        for index in original.arg_attr:
+            fdef.arg_attr[index].CopyFrom(original.arg_attr[index])
+        # ops that must run though no result needs them: the user's own (a
+        # variable update) and every routine, which only a control edge may
+        # tie to the body (a routine on an argument, or after an op whose
+        # result is not returned)
+        kept = {f"{self.prefix}/{node}" for node in original.control_ret.values()}
+        kept.update(op.name for op in routines)
+        for k, name in enumerate(sorted(kept)):
+            label = f"amanda_keep_{k}"
+            fdef.signature.control_output.append(label)
+            fdef.control_ret[label] = name
+        return fdef
+
+
+def _prefixed_body(prefix, fdef, library):
+    """The body of ``fdef`` as a FuncGraph whose ops are named
+    ``"<prefix>/<node>"``, with its input placeholders' and output tensors'
+    names."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
+    holder = tf.Graph()
+    with holder.as_default():
+        functions = tf.compat.v1.GraphDef()
+        functions.library.CopyFrom(library)
+        tf.import_graph_def(functions, name="")
+        plain = function_def_to_graph(fdef)
+    graph_def = plain.as_graph_def()
+    graph_def.library.CopyFrom(library)
+    _drop_outer_colocation(graph_def)
+    user = FuncGraph(prefix)
+    with user.as_default():
+        tf.import_graph_def(graph_def, name=prefix)
+    inputs = [f"{prefix}/{t.name}" for t in plain.inputs]
+    outputs = [f"{prefix}/{t.name}" for t in plain.outputs]
+    user.inputs = [user.get_tensor_by_name(name) for name in inputs]
+    user.outputs = [user.get_tensor_by_name(name) for name in outputs]
+    return user, inputs, outputs
+
+
+def _drop_outer_colocation(graph_def):
+    """Remove colocation constraints (``_class: loc:@op``) naming ops outside
+    the body (a gradient body's nodes name the forward call op): importing
+    the body on its own would fail on them."""
+    names = {node.name for node in graph_def.node}
+    for node in graph_def.node:
+        if "_class" not in node.attr:
+            continue
+        kept = [c for c in node.attr["_class"].list.s
+                if not c.startswith(b"loc:@") or c[5:].decode() in names]
+        if kept:
+            del node.attr["_class"].list.s[:]
+            node.attr["_class"].list.s.extend(kept)
+        else:
+            del node.attr["_class"]
 
 
 class _GraphRewrite:
@@ -471,6 +635,8 @@ class _GraphRewrite:
         self._bare_before = {}      # op name -> its before-routines that pass no tensor
         self._control_users = None  # op name -> copy ops having it as control input
         self.warned_bodies = set()  # call ops whose bodies' ops were said to be no points
+        self.bodies = []            # _BodyRewrite per instrumented function body
+        self._probe = None
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -496,6 +662,7 @@ class _GraphRewrite:
         finally:
             state.disabled = saved
         lowered = lower_actions(ir_graph, self.plan)
+        self._probe = probe
         self._import_new_ops()
         self._realise(lowered)
         self.version = version
@@ -580,6 +747,9 @@ class _GraphRewrite:
         new_nodes = [node for node in graph_def.node if node.name not in present]
         if not new_nodes:
             return
+        # the nodes are copies (as_graph_def): calls of instrumented bodies
+        # are redirected here, before they reach the copy
+        added = self._instrument_bodies(new_nodes, graph_def.library)
         new_names = {node.name for node in new_nodes}
         input_map = {}
         for node in new_nodes:
@@ -590,9 +760,42 @@ class _GraphRewrite:
         part = tf.compat.v1.GraphDef()
         part.versions.CopyFrom(graph_def.versions)
         part.library.CopyFrom(graph_def.library)
+        part.library.function.extend(added)
         part.node.extend(new_nodes)
         with self.copy.as_default():
             tf.import_graph_def(part, input_map=input_map, name="")
+
+    def _instrument_bodies(self, nodes, library):
+        """Instrument the function bodies called by ``nodes`` (in place).
+
+        Each body a call op runs (`_BODY_ATTRS`) is analysed as a graph of
+        its own, its ops named ``"<call op>/<attribute>/<node>"``; a body
+        that gets routines (or holds a call whose body does) is realised as a
+        renamed copy of its function, and the node calls that copy; a
+        stateless call becomes its stateful twin, a routine being stateful.
+
+        Returns:
+            The new FunctionDefs (nested ones included) for the library.
+        """
+        fdefs = {f.signature.name: f for f in library.function}
+        added = []
+        for node in nodes:
+            changed = False
+            for label, func in _called_functions(node):
+                fdef = fdefs.get(func.name)
+                if fdef is None:
+                    continue
+                body = _BodyRewrite(f"{node.name}/{label}", fdef, library,
+                                    self.amanda_session, self._probe)
+                self.bodies.append(body)
+                self.hosted = self.hosted or body.rewrite.hosted
+                if body.fdef is not None:
+                    func.name = body.fdef.signature.name
+                    added.extend(body.functions())
+                    changed = True
+            if changed:
+                node.op = _STATEFUL_TWIN.get(node.op, node.op)
+        return added
 
     def _copy_element(self, name):
         if name.startswith("^"):
