@@ -89,5 +89,48 @@ def test_memory_suite_measures_one_configuration(monkeypatch):
     row = {"model": "tiny", "batch": 3, "allocator": "default malloc", "vanilla": plain,
            "observe (4 points)": seen}
     markdown = memory.render([row], harness.machine_info())
-    assert "| default malloc | tiny | 3 |" in markdown
+    assert "| torch | default malloc | tiny | 3 | observe (4 points) |" in markdown
     assert "memory" in run.SUITES
+
+
+def test_memory_suite_tf_and_onnx_cases(monkeypatch, tmp_path):
+    """The TF Session step and the onnxruntime run, on tiny models."""
+    from benchmarks import memory
+    tf = pytest.importorskip("tensorflow")
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+
+    def tiny_keras():
+        inputs = tf.keras.Input((4,))
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(2)(tf.keras.layers.Dense(8)(inputs)))
+
+    monkeypatch.setattr(memory, "_build_tf", lambda model, batch: (
+        tiny_keras, (batch, 4), tf.float32, lambda shape: np.ones(shape, np.float32)))
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["input"], ["h"]),
+         onnx.helper.make_node("Neg", ["h"], ["output"])], "tiny",
+        [onnx.helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [None, 4])],
+        [onnx.helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, [None, 4])])
+    path = tmp_path / "tiny.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)],
+                                     ir_version=10), str(path))
+    monkeypatch.setattr(memory, "onnx_path", lambda model: str(path))
+    monkeypatch.setattr(memory, "_onnx_feed",
+                        lambda model, batch: {"input": np.ones((batch, 4), np.float32)})
+    rows = []
+    for backend in ("tf", "onnx"):
+        row = {"backend": backend, "model": "tiny", "batch": 2, "allocator": "default malloc"}
+        for config in memory.CONFIGS[backend]:
+            row[config] = memory.one("tiny", 2, config, backend)
+            assert row[config]["peak_kib"] >= row[config]["step_peak_kib"] > 0
+            assert row[config]["build_peak_kib"] >= row[config]["built_kib"] > 0
+        assert row["vanilla"]["routine_calls"] == 0
+        assert row[memory.OBSERVE]["routine_calls"] > 0
+        rows.append(row)
+    # before and after each of the two nodes, three runs
+    assert rows[1][memory.OBSERVE]["routine_calls"] == 12
+    assert rows[1][memory.OBSERVE_HOSTED]["routine_calls"] == 12
+    markdown = memory.render(rows, harness.machine_info())
+    assert "| tf | default malloc | tiny | 2 | observe (4 points) |" in markdown
+    assert "| onnx | default malloc | tiny | 2 | observe, hosted_observation() |" in markdown
