@@ -5,6 +5,7 @@ constants and shapes from graphs, creating captured-PyTorch and ONNX ops.
 from __future__ import annotations
 
 from amanda.passes.rewrite import Pattern, constraint
+from amanda.runtime.tool_support import support_for
 
 
 def pattern(fn, constraints=None, commutative=(), name=None, namespace=""):
@@ -42,18 +43,10 @@ def _like(made, reference):
 
 
 def _aten(graph, target, args, kwargs=None, name=None, like=None):
-    """Creates one captured-PyTorch op: ``args``/``kwargs`` mix IR tensors and constants."""
-    inputs = []
-
-    def encode(value):
-        if hasattr(value, "producer") and hasattr(value, "uses"):  # an IR tensor
-            inputs.append(value)
-            return {"$input": len(inputs) - 1}
-        if isinstance(value, (list, tuple)):
-            return [encode(v) for v in value]
-        return value
-
-    attrs = {"target": target, "args": encode(list(args)), "kwargs": encode(dict(kwargs or {}))}
+    """Creates one captured-PyTorch op: ``args``/``kwargs`` mix IR tensors and
+    constants (encoded the way the capture frontend does, by the PyTorch
+    support module)."""
+    attrs, inputs = support_for("pytorch").call_attrs(target, args, kwargs)
     op_type = target.split(".")[1] if target.startswith("aten.") else target.rsplit(".", 1)[0]
     made = graph.create_op(op_type, inputs, attrs=attrs, name=name or op_type)
     if like is not None:
@@ -63,13 +56,7 @@ def _aten(graph, target, args, kwargs=None, name=None, like=None):
 
 def _arg(g_op, position, default=None):
     """Argument ``position`` of a captured call: the IR tensor or the constant."""
-    args = g_op.attrs.get("args", [])
-    if position >= len(args):
-        return default
-    value = args[position]
-    if isinstance(value, dict) and set(value) == {"$input"}:
-        return g_op.inputs[value["$input"]]
-    return value
+    return support_for("pytorch").call_argument(g_op, position, default)
 
 
 def _onnx_constant(graph, name, value_float=None, value_ints=None):
@@ -84,11 +71,9 @@ def _onnx_constant(graph, name, value_float=None, value_ints=None):
 
 
 def _onnx_attrs_of_new_op(attrs):
-    """A copy of a node's attrs for a new node: the ONNX node name is not copied."""
-    attrs = dict(attrs)
-    if isinstance(attrs.get("_onnx"), dict):
-        attrs["_onnx"] = {k: v for k, v in attrs["_onnx"].items() if k != "name"}
-    return attrs
+    """A copy of a node's attrs for a new node: the ONNX frontend's metadata
+    without the node name (edited by the ONNX support module)."""
+    return support_for("onnx").attrs_for_new_op(attrs)
 
 
 # ---------------------------------------------------------------------------

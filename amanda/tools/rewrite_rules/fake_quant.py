@@ -41,7 +41,7 @@ def _requantized_product(match, quantize):
     """A copy of ``match["product"]`` reading ``quantize(operand, i)`` of its first two inputs."""
     graph, product = match.graph, match["product"]
     quantized = [quantize(t, i) for i, t in enumerate(product.inputs[:2])]
-    attrs = _onnx_attrs_of_new_op(product.attrs) if "_onnx" in product.attrs else dict(product.attrs)
+    attrs = _onnx_attrs_of_new_op(product.attrs)   # a plain copy on other backends
     made = graph.create_op(product.type, quantized + list(product.inputs[2:]), attrs=attrs,
                            name=product.name + "_quantized")
     return [_like(made, product.outputs[0]).outputs[0]]
