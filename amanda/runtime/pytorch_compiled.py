@@ -79,7 +79,8 @@ ENABLED = True
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
 #: have run part of their code outside its graphs (a graph break, a frame it
-#: skips): reason -> number of fallbacks (one per callable and reason; the
+#: skips) or the tools asked for an action compiled graphs cannot carry yet
+#: (``replace_op``...): reason -> number of fallbacks (one per callable and reason; the
 #: callable then stays eager inside ``apply``). Read it to know which models
 #: did not run compiled; nothing in them was lost, they ran like eager.
 EAGER_FALLBACKS = collections.Counter()
