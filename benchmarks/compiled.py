@@ -68,7 +68,7 @@ class PointwiseMLP(torch.nn.Module):
 
 def run(repeats=None, quick=False, log=print):
     from amanda.runtime import pytorch_compiled
-    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True   # the opt-in path
+    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True   # the compiled path (the default)
     try:
         return _run(repeats, quick, log)
     finally:
