@@ -9,7 +9,7 @@ Importing this module imports neither onnx nor onnxruntime.
 from __future__ import annotations
 
 __all__ = ["HOSTED_DTYPES", "attrs_for_new_op", "hosted", "int_attribute", "is_whole_graph",
-           "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
+           "current_run", "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
            "static_shape"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
@@ -102,3 +102,11 @@ def attrs_for_new_op(attrs):
     if isinstance(attrs.get("_onnx"), dict):
         attrs["_onnx"] = {k: v for k, v in attrs["_onnx"].items() if k != "name"}
     return attrs
+
+
+def current_run():
+    """The ONNX run (``session.run`` call) the calling routine belongs to
+    (see ``amanda.runtime.onnx.current_run``); the runtime is loaded here,
+    when a routine of an ONNX model asks."""
+    from amanda.runtime.onnx import current_run as run_of_caller
+    return run_of_caller()

@@ -9,8 +9,9 @@ themselves. Importing this module does not import torch.
 
 from __future__ import annotations
 
-__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs",
-           "is_whole_graph", "module_path_from_op", "stable_op_id"]
+__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs", "has_nonfinite",
+           "is_whole_graph", "kernel_profiler", "module_path_from_op", "stable_op_id",
+           "tensor_stats"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -104,3 +105,58 @@ def as_tensor_like(tensor):
         return torch.as_tensor(np.asarray(array), dtype=dtype, device=device)
 
     return as_tensor
+
+
+def has_nonfinite(tensor):
+    """Whether a floating-point torch tensor holds a NaN or an Inf."""
+    import torch
+    with torch.no_grad():
+        return not bool(torch.isfinite(tensor.detach()).all())
+
+
+def tensor_stats(tensor):
+    """Statistics of a numeric torch tensor, computed in float64 without autograd.
+
+    Returns:
+        ``(shape, dtype, numel, nan, inf, zeros, min, max, mean, std)``:
+        ``nan``/``inf``/``zeros`` are counts; ``min`` to ``std`` are over the
+        finite elements (of the magnitude, for a complex tensor), None when
+        there is none; ``std`` is the population one.
+    """
+    import torch
+    with torch.no_grad():
+        t = tensor.detach()
+        if t.is_complex():
+            t = t.abs()
+        t = t.to(torch.float64)
+        numel = t.numel()
+        nan = int(torch.isnan(t).sum())
+        inf = int(torch.isinf(t).sum())
+        zeros = int((t == 0).sum())
+        finite = t[torch.isfinite(t)]
+        if finite.numel():
+            mn, mx = float(finite.min()), float(finite.max())
+            mean = float(finite.mean())
+            std = float(finite.std(unbiased=False))
+        else:
+            mn = mx = mean = std = None
+    return tuple(tensor.shape), str(tensor.dtype), numel, nan, inf, zeros, mn, mx, mean, std
+
+
+def kernel_profiler(activities=None):
+    """A ``torch.profiler.profile`` (not started) and torch's ``record_function``.
+
+    Args:
+        activities: ``torch.profiler.ProfilerActivity`` values to record
+            (default: CPU, plus CUDA where available).
+
+    Returns:
+        ``(profile, record_function)``.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    if activities is None:
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities), torch.autograd.profiler.record_function

@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 import amanda
+from amanda.runtime.tool_support import support_for
 
 __all__ = ["NanError", "NanReport", "NanDetector", "OpStatistics", "tensor_stats"]
 
@@ -45,9 +46,7 @@ def _has_nonfinite(value):
     if not _is_array(value) or not _is_floating(value):
         return False
     if _is_torch(value):
-        import torch
-        with torch.no_grad():
-            return not bool(torch.isfinite(value.detach()).all())
+        return support_for("pytorch").has_nonfinite(value)
     return not bool(np.isfinite(np.asarray(value)).all())
 
 
@@ -61,24 +60,8 @@ def tensor_stats(value):
     if not _is_array(value):
         return None
     if _is_torch(value):
-        import torch
-        with torch.no_grad():
-            t = value.detach()
-            if t.is_complex():
-                t = t.abs()
-            t = t.to(torch.float64)
-            numel = t.numel()
-            nan = int(torch.isnan(t).sum())
-            inf = int(torch.isinf(t).sum())
-            zeros = int((t == 0).sum())
-            finite = t[torch.isfinite(t)]
-            if finite.numel():
-                mn, mx = float(finite.min()), float(finite.max())
-                mean = float(finite.mean())
-                std = float(finite.std(unbiased=False))
-            else:
-                mn = mx = mean = std = None
-            shape, dtype = tuple(value.shape), str(value.dtype)
+        shape, dtype, numel, nan, inf, zeros, mn, mx, mean, std = \
+            support_for("pytorch").tensor_stats(value)
     else:
         a = np.asarray(value)
         shape, dtype = tuple(a.shape), str(a.dtype)

@@ -58,6 +58,7 @@ from collections import defaultdict
 
 import amanda
 from amanda.errors import AmandaError
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
 from amanda.tools._shapes import dims
@@ -209,8 +210,7 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
 
     @staticmethod
     def _run():
-        from amanda.runtime.onnx import current_run
-        return current_run()
+        return support_for("onnx").current_run()
 
     def _start(self, *unused, info):
         record_function = self._record_function
@@ -438,13 +438,9 @@ def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
 def _render_docs_figure(path):
     """Profile one training step of a small random BERT and plot it
     (``python -m amanda.tools.profiler docs/figures/trace.png``)."""
-    import torch
-    import transformers
-    torch.manual_seed(0)
-    config = transformers.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=512, vocab_size=1000)
-    model = transformers.BertModel(config).eval()
-    ids = torch.randint(0, 1000, (2, 32))
+    from amanda.runtime.pytorch_examples import random_bert
+    model, ids = random_bert(hidden_size=128, layers=2, heads=2, intermediate_size=512,
+                             vocab_size=1000, batch=2, tokens=32)
     profiler = OpProfiler()
     for _ in range(3):   # warm up: analysis runs at the first step
         profiler.reset()

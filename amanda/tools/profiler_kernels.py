@@ -3,7 +3,8 @@
 :class:`KernelRecording` holds the :class:`~amanda.tools.profiler.OpProfiler`
 methods that run ops inside ``record_function`` ranges, group the profiler's
 events (aten ops; CUDA kernels on a GPU) by the op enclosing them and report
-them. torch is imported only when recording starts.
+them. torch is imported only when recording starts, by
+:func:`amanda.runtime.pytorch_tools.kernel_profiler`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections import defaultdict
 
+from amanda.runtime.tool_support import support_for
 from amanda.tools.profiler_events import RANGE_PREFIX
 
 __all__ = ["KernelRecording", "quiet_kineto"]
@@ -43,18 +45,12 @@ class KernelRecording:
         Yields:
             The ``torch.profiler.profile`` object.
         """
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-        if activities is None:
-            activities = [ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(ProfilerActivity.CUDA)
-        prof = profile(activities=activities)
+        prof, record_function = support_for("pytorch").kernel_profiler(activities)
         first = len(self.events)
         with quiet_kineto():
             prof.__enter__()
         try:
-            self._record_function = torch.autograd.profiler.record_function
+            self._record_function = record_function
             yield prof
         finally:
             self._record_function = None
