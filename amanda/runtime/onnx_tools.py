@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["HOSTED_DTYPES", "attrs_for_new_op", "hosted", "int_attribute", "is_whole_graph",
            "current_run", "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
-           "static_shape"]
+           "load_model", "static_shape", "tensor_values"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -110,3 +110,43 @@ def current_run():
     when a routine of an ONNX model asks."""
     from amanda.runtime.onnx import current_run as run_of_caller
     return run_of_caller()
+
+
+def load_model(model):
+    """An ``onnx.ModelProto`` as given, or loaded from a path."""
+    import onnx
+    return model if isinstance(model, onnx.ModelProto) else onnx.load(model)
+
+
+def tensor_values(model, feeds, names=(), max_ir_version=None):
+    """Run an ONNX model in onnxruntime (CPU) and return intermediate tensors too.
+
+    onnxruntime only returns a model's declared outputs; the named tensors are
+    declared as extra outputs of a copy (the model is not modified).
+
+    Args:
+        model: an ``onnx.ModelProto``.
+        feeds: input name -> array.
+        names: names of node outputs to return besides the model's outputs.
+        max_ir_version: lower the copy's IR version to at most this (for an
+            onnxruntime older than the onnx package that wrote the model).
+
+    Returns:
+        A dict tensor name -> array holding the model's outputs and ``names``.
+    """
+    import onnx
+    import onnxruntime as ort
+    probed = onnx.ModelProto()
+    probed.CopyFrom(model)
+    if max_ir_version is not None:
+        probed.ir_version = min(probed.ir_version, max_ir_version)
+    declared = {o.name for o in probed.graph.output}
+    wanted = [o.name for o in model.graph.output]
+    for name in names:
+        if name not in declared:
+            probed.graph.output.append(onnx.ValueInfoProto(name=name))
+            declared.add(name)
+            wanted.append(name)
+    session = ort.InferenceSession(probed.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return dict(zip(wanted, session.run(wanted, feeds)))

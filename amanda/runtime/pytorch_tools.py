@@ -9,9 +9,12 @@ themselves. Importing this module does not import torch.
 
 from __future__ import annotations
 
-__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs", "has_nonfinite",
-           "is_whole_graph", "kernel_profiler", "module_path_from_op", "stable_op_id",
-           "tensor_stats"]
+import io
+import sys
+
+__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs", "export_onnx",
+           "has_nonfinite", "is_tensor", "is_whole_graph", "kernel_profiler",
+           "module_path_from_op", "no_grad", "stable_op_id", "tensor_stats"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -160,3 +163,25 @@ def kernel_profiler(activities=None):
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
     return profile(activities=activities), torch.autograd.profiler.record_function
+
+
+def no_grad():
+    """``torch.no_grad()``."""
+    import torch
+    return torch.no_grad()
+
+
+def is_tensor(value):
+    """Whether ``value`` is a ``torch.Tensor`` (False while torch is not loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def export_onnx(model, args, opset):
+    """``model`` exported with ``torch.onnx.export``'s TorchScript exporter
+    (which writes module scopes into node names), as an ``onnx.ModelProto``."""
+    import onnx
+    import torch
+    buffer = io.BytesIO()
+    torch.onnx.export(model, tuple(args), buffer, dynamo=False, opset_version=opset)
+    return onnx.load_from_string(buffer.getvalue())

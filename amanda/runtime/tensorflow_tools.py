@@ -5,7 +5,8 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-__all__ = ["is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id"]
+__all__ = ["frozen_graph_def", "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
+           "tf2onnx_converter"]
 
 
 def name_scope(op_name):
@@ -28,3 +29,29 @@ def is_whole_graph(graph):
 def stable_op_id(op):
     """Graph ops are identified by name."""
     return op.name
+
+
+def frozen_graph_def(session, outputs):
+    """The ``GraphDef`` of a ``tf.compat.v1`` session's graph with its
+    variables frozen to constants, pruned to what ``outputs`` (tensor names,
+    ``"y:0"``) need."""
+    import tensorflow as tf
+    return tf.compat.v1.graph_util.convert_variables_to_constants(
+        session, session.graph.as_graph_def(), [name.split(":")[0] for name in outputs])
+
+
+def tf2onnx_converter():
+    """``convert(graph_def, inputs, outputs, opset) -> onnx.ModelProto`` by tf2onnx
+    (TF tensor names kept).
+
+    Raises:
+        ImportError: tf2onnx is not installed.
+    """
+    import tf2onnx
+
+    def convert(graph_def, inputs, outputs, opset):
+        model, _ = tf2onnx.convert.from_graph_def(graph_def, input_names=inputs,
+                                                  output_names=outputs, opset=opset)
+        return model
+
+    return convert

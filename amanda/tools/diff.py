@@ -30,11 +30,11 @@ the converter fused or removed are listed, never guessed. It lives in
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import numpy as np
 
 import amanda
+from amanda.runtime.tool_support import support_for
 from amanda.tools.diff_tf import (  # TensorFlow vs its ONNX conversion, importable from here
     OpDiffReport,
     OpDivergence,
@@ -198,16 +198,13 @@ def diff_torch_onnx(model, args, onnx_model=None, rtol=1e-4, atol=1e-5, opset=17
     Returns:
         A :class:`DiffReport`.
     """
-    import onnx
-    import torch
+    torch_support = support_for("pytorch")
     if onnx_model is None:
-        buffer = io.BytesIO()
-        torch.onnx.export(model, tuple(args), buffer, dynamo=False, opset_version=opset)
-        onnx_model = onnx.load_from_string(buffer.getvalue())
-    elif not isinstance(onnx_model, onnx.ModelProto):
-        onnx_model = onnx.load(onnx_model)
+        onnx_model = torch_support.export_onnx(model, args, opset)
+    else:
+        onnx_model = support_for("onnx").load_model(onnx_model)
     recorder = ModuleRecorder()
-    with torch.no_grad(), amanda.apply(recorder):
+    with torch_support.no_grad(), amanda.apply(recorder):
         expected = model(*args)
     torch_last, order = _torch_module_outputs(recorder.records)
     inputs = [i.name for i in onnx_model.graph.input
@@ -234,7 +231,7 @@ def diff_torch_onnx(model, args, onnx_model=None, rtol=1e-4, atol=1e-5, opset=17
         if first is None and np.shape(torch_value) == np.shape(onnx_value):
             abs_error, rel_error = _errors(torch_value, onnx_value)
             first = Divergence(path, op, node, abs_error, rel_error, tuple(np.shape(torch_value)))
-    final = expected if isinstance(expected, torch.Tensor) else _first_tensor(expected)
+    final = expected if torch_support.is_tensor(expected) else _first_tensor(expected)
     output_error = _errors(final.detach().numpy(), outputs[0])[0] if final is not None else 0.0
     return DiffReport(first, compared, fused, unmatched, output_error)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 import amanda
 from amanda.errors import ToolError
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_tables
 from amanda.tools.diff_values import _ORT_IR_VERSION, _errors, onnx_tensor_values
 
@@ -206,19 +207,17 @@ def tf_to_onnx(session, inputs, outputs, opset=17):
     Raises:
         ToolError: tf2onnx is missing or fails on the graph.
     """
-    import tensorflow as tf
+    tf_support = support_for("tensorflow")
     try:
-        import tf2onnx
+        convert = tf_support.tf2onnx_converter()
     except ImportError:
         raise ToolError("diff: tf_to_onnx needs tf2onnx (pip install 'amanda[onnx]')") from None
     graph = session.graph
     inputs = [_tf_tensor(graph, t, "tf_to_onnx").name for t in _as_list(inputs)]
     outputs = [_tf_tensor(graph, t, "tf_to_onnx").name for t in _as_list(outputs)]
-    frozen = tf.compat.v1.graph_util.convert_variables_to_constants(
-        session, graph.as_graph_def(), [name.split(":")[0] for name in outputs])
+    frozen = tf_support.frozen_graph_def(session, outputs)
     try:
-        model, _ = tf2onnx.convert.from_graph_def(frozen, input_names=inputs,
-                                                  output_names=outputs, opset=opset)
+        model = convert(frozen, inputs, outputs, opset)
     except Exception as error:   # tf2onnx raises exceptions of many kinds
         raise ToolError(f"diff: tf2onnx could not convert the graph ({type(error).__name__}: "
                         f"{error})") from error
@@ -417,15 +416,14 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
         ToolError: a feed or output is not in the graph, or the ONNX model
             has an input that is not fed.
     """
-    import onnx
     graph = session.graph
     feeds = {_tf_tensor(graph, key, "diff_tf_onnx"): np.asarray(value)
              for key, value in feeds.items()}
     fetches = [_tf_tensor(graph, t, "diff_tf_onnx") for t in _as_list(outputs)]
     if onnx_model is None:
         onnx_model = tf_to_onnx(session, list(feeds), fetches, opset=opset)
-    elif not isinstance(onnx_model, onnx.ModelProto):
-        onnx_model = onnx.load(onnx_model)
+    else:
+        onnx_model = support_for("onnx").load_model(onnx_model)
 
     nodes = list(onnx_model.graph.node)
     order = {node.name: index for index, node in enumerate(nodes)}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from amanda.runtime.tool_support import support_for
+
 __all__ = ["onnx_tensor_values"]
 
 _ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx writes 14
@@ -26,21 +28,7 @@ def onnx_tensor_values(model, feeds, names=()):
     Returns:
         A dict tensor name -> array holding the model's outputs and ``names``.
     """
-    import onnx
-    import onnxruntime as ort
-    probed = onnx.ModelProto()
-    probed.CopyFrom(model)
-    probed.ir_version = min(probed.ir_version, _ORT_IR_VERSION)
-    declared = {o.name for o in probed.graph.output}
-    wanted = [o.name for o in model.graph.output]
-    for name in names:
-        if name not in declared:
-            probed.graph.output.append(onnx.ValueInfoProto(name=name))
-            declared.add(name)
-            wanted.append(name)
-    session = ort.InferenceSession(probed.SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
-    return dict(zip(wanted, session.run(wanted, feeds)))
+    return support_for("onnx").tensor_values(model, feeds, names, max_ir_version=_ORT_IR_VERSION)
 
 
 def _errors(a, b):

@@ -1,0 +1,87 @@
+"""Layering: frameworks are imported only by the backend modules.
+
+Backend-specific code lives in ``amanda/frontends/`` and ``amanda/runtime/``
+(one module per backend); the CLI and the model zoo (``amanda/cli/``,
+``amanda/models.py``) load real models. Everything else, the tools included,
+reaches a backend through a registry keyed by namespace
+(:mod:`amanda.runtime.tool_support`), so this test walks every module's
+syntax tree, function bodies included, for imports of a framework.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "amanda"
+FRAMEWORKS = {"torch", "tensorflow", "onnx", "onnxruntime"}
+
+#: Where the backends live: any framework import is fine there.
+BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py")
+
+#: Modules outside the backend areas that may import a framework, with why.
+#: Keep it short: each entry is a tool that only makes sense for one framework.
+EXCEPTIONS = {
+    "distributed.py": "torch.distributed (DDP) helpers: collectives and local process groups "
+                      "exist only in PyTorch",
+    "portable.py": "the portable routine vocabulary dispatches each op on its arguments' "
+                   "framework at call time (torch and TF tensors)",
+    "tools/pruning_projects/activation.py": "PyTorch-only pruning project (paper reproduction)",
+    "tools/pruning_projects/feature_boosting.py": "PyTorch-only pruning project (paper reproduction)",
+    "tools/pruning_projects/models.py": "the pruning projects' small model zoo (PyTorch models, "
+                                        "one Keras model)",
+}
+
+
+def _framework_imports(path):
+    """``(line, module)`` of every framework import in a file, at any depth;
+    ``importlib.import_module("torch")``/``__import__`` with a literal count too."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__"):
+                names = [node.args[0].value]
+        found += [(node.lineno, name) for name in names if name.split(".")[0] in FRAMEWORKS]
+    return found
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), path
+
+
+def test_frameworks_are_imported_only_by_backend_modules():
+    offenders = []
+    for name, path in _modules():
+        if name.startswith(BACKEND_AREAS) or name in EXCEPTIONS:
+            continue
+        offenders += [f"amanda/{name}:{line}: import {module}"
+                      for line, module in _framework_imports(path)]
+    assert not offenders, "framework imports outside frontends/ and runtime/:\n" + \
+        "\n".join(offenders)
+
+
+@pytest.mark.parametrize("name", sorted(EXCEPTIONS))
+def test_every_exception_is_still_needed(name):
+    path = PACKAGE / name
+    assert path.exists(), f"amanda/{name} is listed in EXCEPTIONS but does not exist"
+    assert _framework_imports(path), f"amanda/{name} imports no framework: drop its exception"
+
+
+def test_the_scan_sees_imports_inside_functions(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import numpy\n\ndef f():\n    import torch.nn as nn\n"
+                      "    from onnx import helper\n    return importlib.import_module('tensorflow')\n")
+    assert [module for _, module in _framework_imports(sample)] == \
+        ["torch.nn", "onnx", "tensorflow"]
