@@ -1,5 +1,9 @@
 """Reports of several processes (``torch.distributed`` ranks) merged into one.
 
+PyTorch only (process groups and DDP are ``torch.distributed``'s), so this
+module imports torch where it needs it; it is one of the exceptions listed in
+tests/test_layering.py.
+
 amanda's tools run unchanged inside ``DistributedDataParallel``; each rank
 has its own profiler with its own results. The helpers here are collective
 (every rank calls them) and hand the merged report to one rank:

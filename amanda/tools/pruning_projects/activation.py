@@ -1,4 +1,5 @@
-"""Dynamic activation pruning, as an amanda tool.
+"""Dynamic activation pruning, as an amanda tool (PyTorch only: it builds torch
+masks in its routines, so it imports torch; listed in tests/test_layering.py).
 
 Algorithm: every activation (the output of each ReLU) is sparsified per
 sample, at every step: with ``n`` values per sample, those whose magnitude is

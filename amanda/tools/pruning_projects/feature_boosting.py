@@ -1,5 +1,6 @@
 """Dynamic channel pruning by feature boosting and suppression (Gao et al.,
-ICLR'19), as an amanda tool.
+ICLR'19), as an amanda tool (PyTorch only: its saliency predictors are torch
+modules trained with the model, so it imports torch; listed in tests/test_layering.py).
 
 Algorithm: every convolution gets a small saliency predictor. For an input
 ``x`` of ``C`` channels, the predictor computes ``s = relu(W · avgpool(x) + b)``

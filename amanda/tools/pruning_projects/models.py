@@ -1,7 +1,9 @@
 """Small workloads for the pruning projects: CNNs for 8x8 one-channel images
 (scikit-learn's digits) and tiny random-init BERT-family classifiers.
 
-Every builder seeds torch, so two calls give the same weights.
+Every builder seeds torch, so two calls give the same weights. A model zoo,
+so it imports torch (and TensorFlow for its Keras model); listed in
+tests/test_layering.py.
 """
 
 from __future__ import annotations
