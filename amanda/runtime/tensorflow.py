@@ -81,6 +81,28 @@ class TFGraphBackend(GraphBackend):
         return self.tf_graph.get_operation_by_name(ir_tensor.producer.name).outputs[ir_tensor.index]
 
 
+class _BodiesBackend(TFGraphBackend):
+    """A gradient body's contexts: its own ops, and the forward body ops they
+    differentiate, each looked up in the graph that holds it."""
+
+    def __init__(self, tf_graphs):
+        super().__init__(tf_graphs[0])
+        self.tf_graphs = tf_graphs
+
+    def raw_op(self, ir_op):
+        for graph in self.tf_graphs:
+            try:
+                return graph.get_operation_by_name(ir_op.name)
+            except KeyError:
+                continue
+        raise KeyError(ir_op.name)
+
+    def _tensor(self, ir_tensor):
+        if ir_tensor.producer is None:
+            return None
+        return self.raw_op(ir_tensor.producer).outputs[ir_tensor.index]
+
+
 # -- values for analysis routines -----------------------------------------------
 
 _analysis = threading.local()
@@ -505,17 +527,35 @@ class _BodyRewrite:
     in order).
     """
 
-    def __init__(self, prefix, fdef, library, amanda_session, outer_probe):
+    def __init__(self, holder, label, fdef, library, amanda_session, outer_probe,
+                 gradient_of=None):
         from tensorflow.python.framework.func_graph import FuncGraph
-        self.prefix = prefix
+        self.holder = holder
+        self.prefix = prefix = f"{holder}/{label}"
         self.original = fdef
         user, inputs, outputs = _prefixed_body(prefix, fdef, library)
         self.user = user
         self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
+        self.rewrite.gradient_of = gradient_of
         self.rewrite.refresh(_BodyProbe(outer_probe, prefix))
         self.fdef = None
         if self.rewrite.realised or any(b.fdef is not None for b in self.rewrite.bodies):
             self.fdef = self._function(inputs, outputs)
+
+    def forward_names(self):
+        """{name a gradient scope may give a forward op of this body: its id}.
+
+        Gradient scopes name an op as it was when the body was traced; a
+        FunctionDef may have renamed the node (``mul`` -> ``mul_0`` where an
+        output is called ``mul``), which its ``ret`` map records."""
+        names = {}
+        for node in self.original.node_def:
+            names[node.name] = f"{self.prefix}/{node.name}"
+        for output, source in self.original.ret.items():
+            node = source.split(":")[0]
+            if node in names:
+                names.setdefault(output, names[node])
+        return names
 
     def functions(self):
         """This body's FunctionDef and those of the bodies nested in it."""
@@ -637,6 +677,9 @@ class _GraphRewrite:
         self.warned_bodies = set()  # call ops whose bodies' ops were said to be no points
         self.bodies = []            # _BodyRewrite per instrumented function body
         self._probe = None
+        # a gradient function's body: the forward bodies (_BodyRewrite) its
+        # ops differentiate, None for a graph that is no gradient body
+        self.gradient_of = None
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -657,8 +700,12 @@ class _GraphRewrite:
         saved, state.disabled = state.disabled, True   # rules may run the user's graph
         try:
             with _probing(probe):
-                self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
-                                                     TFGraphBackend(self.user_graph), self.plan)
+                if self.gradient_of is not None:
+                    self.plan = self._analyse_gradient_body(ir_graph)
+                else:
+                    self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
+                                                         TFGraphBackend(self.user_graph),
+                                                         self.plan)
         finally:
             state.disabled = saved
         lowered = lower_actions(ir_graph, self.plan)
@@ -668,6 +715,36 @@ class _GraphRewrite:
         self.version = version
         self._warn_inexact()
         return True
+
+    def _analyse_gradient_body(self, ir_graph):
+        """The plan of a gradient function's body: all its ops are backward
+        ops; one named after a forward body op's gradient scope
+        (``gradients/mul_grad/Mul``) gets that op as its forward op, and its
+        context starts from that op's context, as at top level.
+
+        The shared pass looks forward ops up in the plan of the graph it
+        analyses; these live in the forward body's plan, so the backward
+        analysis is run here per op, with both plans' ops in view.
+        """
+        from amanda.frontends.tensorflow import forward_op_of
+        from amanda.passes.instrumentation import InstrumentationPlan, _analyse_backward
+        prefix = self.user_graph.name + "/"
+        known = InstrumentationPlan(ir_graph)
+        names, graphs = {}, [self.user_graph]
+        for body in self.gradient_of:
+            known.ops.update(body.rewrite.plan.ops)
+            names.update(body.forward_names())
+            graphs.append(body.user)
+        backend = _BodiesBackend(graphs)
+        plan = InstrumentationPlan(ir_graph)
+        for op in ir_graph.ops:
+            local = op.name[len(prefix):] if op.name.startswith(prefix) else op.name
+            owner = forward_op_of(local, names) if names else None
+            op.attrs["backward"] = True
+            op.attrs["forward_op"] = names[owner] if owner is not None else None
+            plan.ops[op.name] = known.ops[op.name] = _analyse_backward(
+                op, ir_graph, self.amanda_session, backend, known)
+        return plan
 
     def _warn_inexact(self):
         """Say once that Grappler may compute the copy's floats in another
@@ -781,12 +858,13 @@ class _GraphRewrite:
         added = []
         for node in nodes:
             changed = False
+            gradient_of = self._gradient_of(node.name)
             for label, func in _called_functions(node):
                 fdef = fdefs.get(func.name)
                 if fdef is None:
                     continue
-                body = _BodyRewrite(f"{node.name}/{label}", fdef, library,
-                                    self.amanda_session, self._probe)
+                body = _BodyRewrite(node.name, label, fdef, library, self.amanda_session,
+                                    self._probe, gradient_of)
                 self.bodies.append(body)
                 self.hosted = self.hosted or body.rewrite.hosted
                 if body.fdef is not None:
@@ -796,6 +874,18 @@ class _GraphRewrite:
             if changed:
                 node.op = _STATEFUL_TWIN.get(node.op, node.op)
         return added
+
+    def _gradient_of(self, call_name):
+        """For a call op that is a gradient op (the gradient of a While is
+        another While): the bodies of its forward op, whose ops its bodies'
+        ops differentiate ([] when unknown). None for a forward call op."""
+        if self.gradient_of is not None:
+            return []   # nested in a gradient body: backward too
+        entry = self.plan.ops.get(call_name) if self.plan is not None else None
+        if entry is None or not entry.op.attrs.get("backward"):
+            return None
+        forward = entry.op.attrs.get("forward_op")
+        return [body for body in self.bodies if forward is not None and body.holder == forward]
 
     def _copy_element(self, name):
         if name.startswith("^"):

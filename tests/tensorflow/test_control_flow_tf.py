@@ -242,3 +242,101 @@ def test_keras_lstm_loop_body_matmuls_are_points_and_outputs_bit_identical():
     assert matmuls, sorted(counting.ops)
     assert all(v == 5 for v in matmuls.values())      # once per time step
     assert observing.seen > 0
+
+
+class BackwardTool(amanda.Tool):
+    """Keeps context values from forward to backward: a forward routine
+    stores the op id in the context; backward routines count runs per
+    (forward id, backward id) and check the id came through."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.add_inst_for_op(self.forward)
+        self.add_inst_for_op(self.backward, backward=True)
+
+    def forward(self, context):
+        context["seen_forward"] = context.get_op_id()
+
+    def backward(self, context):
+        key = (context.get_op_id(), context.get_backward_op_id())
+        if context.get_op() is not None:
+            assert context["seen_forward"] == context.get_op_id()
+        context.insert_before_backward_op(self.count, grad_outputs=[], key=key)
+
+    def count(self, key):
+        self.counts[key] += 1
+
+
+def test_gradient_body_ops_map_to_the_forward_body_ops():
+    graph, x, n, z = _loop_graph()
+    with graph.as_default():
+        grad = tf.gradients(z, x)[0]
+    tool = BackwardTool()
+    feed = {x: np.array([0.3, -1.2, 2.0, 0.7], np.float32), n: 3}
+    plain, out = _session_run(tool, graph, grad, feed)
+    assert np.array_equal(plain, out)
+    tanh_grads = {k: v for k, v in tool.counts.items() if k[0] == "loop/body/Tanh"}
+    assert tanh_grads, sorted(tool.counts)
+    (forward_id, backward_id), runs = next(iter(tanh_grads.items()))
+    assert backward_id.startswith("gradients/") and "/body/" in backward_id
+    assert backward_id.endswith("Tanh_grad/TanhGrad") and runs == 3    # once per iteration
+    # ops of the gradient body with no forward body op are backward points
+    # with no forward op, as at top level
+    assert any(k[0] is None and "/body/" in k[1] for k in tool.counts)
+
+
+def test_case_branches_and_nested_function_calls():
+    @tf.function
+    def inner(v):
+        return tf.sin(v) * 3.0
+
+    @tf.function
+    def f(x, k):
+        y = tf.switch_case(k, [lambda: x + 1.0, lambda: tf.exp(x), lambda: x * x], name="case")
+        return inner(y)
+
+    x = tf.constant([0.25, -0.5, 1.5])
+    plain = f(x, tf.constant(1)).numpy()
+    tool = CountingTool()
+    with amanda.apply(tool):
+        out = f(x, tf.constant(1)).numpy()
+    assert np.array_equal(plain, out)
+    # tf.switch_case names its Case op "<name>/indexed_case"
+    ran = {k for k, v in tool.counts.items() if v}
+    assert tool.ops["case/indexed_case/branches/1/case/indexed_case/Exp"].type == "Exp"
+    assert tool.counts["case/indexed_case/branches/1/case/indexed_case/Exp"] == 1
+    assert not any(k.startswith(("case/indexed_case/branches/0/",
+                                 "case/indexed_case/branches/2/")) for k in ran)
+    assert any(k.startswith("case/indexed_case/branches/2/") for k in tool.ops)
+    calls = [k for k, op in tool.ops.items() if op.type in ("PartitionedCall",
+                                                           "StatefulPartitionedCall")]
+    assert calls
+    assert any(tool.ops[k].type == "Sin" and tool.counts[k] == 1 for k in tool.ops
+               if k.startswith(calls[0] + "/f/"))
+
+
+def test_portable_identity_routines_in_bodies_are_bit_identical():
+    graph, x, n, z = _loop_graph()
+    plain, out = _session_run(IdentityTool(portable=True), graph, z,
+                              {x: np.array([0.3, -1.2, 2.0, 0.7], np.float32), n: 4})
+    assert np.array_equal(plain, out)
+
+
+def test_evaluate_on_a_body_tensor_says_why_it_cannot():
+    from amanda.runtime.tensorflow import evaluate
+
+    class Evaluating(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(self.analysis)
+
+        def analysis(self, context):
+            if context.get_op_id() == "loop/body/Tanh":
+                evaluate(context.get_inputs()[0])
+
+    graph, x, n, z = _loop_graph()
+    from amanda.errors import BackendError
+
+    with pytest.raises(BackendError, match="function body 'loop/body'"):
+        _session_run(Evaluating(), graph, z, {x: np.ones(4, np.float32), n: 2})
