@@ -24,8 +24,30 @@ def compiled_path():
     pytorch_compiled.ENABLED = saved
 
 
-def test_the_compiled_path_is_the_default():
-    assert _DEFAULT is True
+def test_the_compiled_path_is_opt_in():
+    """Off by default until compiled ops have eager's ids (see below)."""
+    assert _DEFAULT is False
+
+
+class ConvAndInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h += 1
+        return self.lin(h.mean((2, 3)))
+
+
+@pytest.mark.xfail(strict=True, reason="an nn.Conv2d's conv2d (called from _conv_forward) and an "
+                   "in-place += get other op ids in compiled graphs than eagerly; the reason the "
+                   "compiled path is opt-in (docs/pytorch-compiled.md)")
+def test_compiled_ops_have_the_ids_of_eager():
+    model = torch.compile(ConvAndInPlace(), backend="eager")
+    x = torch.randn(1, 3, 8, 8)
+    assert _points(model, x, compiled_path=True) == _points(model, x, compiled_path=False)
 
 
 class CountBefore(amanda.Tool):

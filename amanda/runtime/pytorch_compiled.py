@@ -69,13 +69,16 @@ _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
-#: True (the default): compiled callables inside ``apply`` run instrumented
-#: compiled graphs (this module), with the limits in docs/pytorch-compiled.md;
-#: what those graphs cannot show or carry (a graph break, backward routines...)
-#: runs eagerly, every op a point (see `EAGER_FALLBACKS`). False: compiled
-#: callables inside ``apply`` always run eagerly (Dynamo's ``force_eager``
-#: stance), exactly as eager.
-ENABLED = True
+#: True: compiled callables inside ``apply`` run instrumented compiled graphs
+#: (this module), with the limits in docs/pytorch-compiled.md; what those
+#: graphs cannot show or carry (a graph break, backward routines...) runs
+#: eagerly, every op a point (see `EAGER_FALLBACKS`). False (the default):
+#: compiled callables inside ``apply`` always run eagerly (Dynamo's
+#: ``force_eager`` stance), exactly as eager. Opt-in because some ops get
+#: other ids in compiled graphs than eagerly (an ``nn.Conv2d``'s conv, an
+#: in-place ``+=``; docs/pytorch-compiled.md), which would break a tool whose
+#: state is keyed by op id across compiled and eager runs.
+ENABLED = False
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
 #: have run part of their code outside its graphs (a graph break, a frame it
