@@ -39,6 +39,7 @@ NumPy, a traced value records an IR op.
 from __future__ import annotations
 
 import builtins
+import importlib
 import sys
 
 import numpy as np
@@ -81,58 +82,50 @@ def _backend(*values):
     return found
 
 
-def _torch():
-    import torch
-    return torch
+#: framework (as `_backend` names it) -> the module running the vocabulary on
+#: its tensors; loaded when a value of that framework is first seen.
+FRAMEWORK_OPS = {
+    "torch": "amanda.runtime.pytorch_portable_ops",
+    "tensorflow": "amanda.runtime.tensorflow_portable_ops",
+}
 
 
-def _tf():
-    import tensorflow as tf
-    return tf
+def _ops(kind):
+    """The framework's vocabulary module, or None (NumPy, traced values)."""
+    name = FRAMEWORK_OPS.get(kind)
+    return None if name is None else importlib.import_module(name)
 
 
 def _like(value, reference):
     """``value`` (a scalar or array) as a tensor of ``reference``'s backend and dtype."""
-    kind = _backend(reference)
-    if kind == "torch":
-        torch = _torch()
-        if isinstance(value, torch.Tensor):
-            return value.to(reference.dtype)
-        return torch.as_tensor(np.asarray(value), device=reference.device).to(reference.dtype)
-    if kind == "tensorflow":
-        tf = _tf()
-        if isinstance(value, (tf.Tensor, tf.Variable)):
-            return tf.cast(value, reference.dtype)
-        return tf.constant(np.asarray(value), dtype=reference.dtype)
+    ops = _ops(_backend(reference))
+    if ops is not None:
+        return ops.like(value, reference)
     return np.asarray(value, dtype=np.asarray(reference).dtype)
 
 
-def _unary(name, torch_name, tf_path, numpy_func):
+def _unary(name, numpy_func):
     def function(x):
         kind = _backend(x)
         if kind == "sym":
             return x._unary(name)
-        if kind == "torch":
-            return getattr(_torch(), torch_name)(x)
-        if kind == "tensorflow":
-            module = _tf()
-            for part in tf_path.split("."):
-                module = getattr(module, part)
-            return module(x)
+        ops = _ops(kind)
+        if ops is not None:
+            return ops.unary(name, x)
         return numpy_func(np.asarray(x))
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Element-wise ``{name}`` of a tensor of any backend."
     return function
 
 
-abs = _unary("abs", "abs", "abs", np.abs)
-floor = _unary("floor", "floor", "math.floor", np.floor)
-ceil = _unary("ceil", "ceil", "math.ceil", np.ceil)
-sqrt = _unary("sqrt", "sqrt", "math.sqrt", np.sqrt)
-exp = _unary("exp", "exp", "math.exp", np.exp)
-log = _unary("log", "log", "math.log", np.log)
-sign = _unary("sign", "sign", "math.sign", np.sign)
-round = _unary("round", "round", "math.round", np.round)   # half to even everywhere
+abs = _unary("abs", np.abs)
+floor = _unary("floor", np.floor)
+ceil = _unary("ceil", np.ceil)
+sqrt = _unary("sqrt", np.sqrt)
+exp = _unary("exp", np.exp)
+log = _unary("log", np.log)
+sign = _unary("sign", np.sign)
+round = _unary("round", np.round)   # half to even everywhere
 round.__doc__ = "Element-wise rounding, halves to even (as torch, TF, NumPy and ONNX do)."
 
 
@@ -142,9 +135,8 @@ def identity(x):
     kind = _backend(x)
     if kind == "sym":
         return x._unary("identity")
-    if kind == "tensorflow":
-        return _tf().identity(x)
-    return x
+    ops = _ops(kind)
+    return x if ops is None else ops.identity(x)
 
 
 def _pair(name, a, b):
@@ -164,10 +156,9 @@ def _binary(name, numpy_func):
         kind, a, b = _pair(name, a, b)
         if kind == "sym":
             return _sym_of(a, b)._binary(name, a, b)
-        if kind == "torch":
-            return getattr(_torch(), name)(a, b)
-        if kind == "tensorflow":
-            return getattr(_tf(), name)(a, b)
+        ops = _ops(kind)
+        if ops is not None:
+            return ops.binary(name, a, b)
         return numpy_func(a, b)
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Element-wise ``{name}`` of two tensors (broadcasting)."
@@ -199,7 +190,7 @@ def where(condition, a, b):
             b = _like(b, reference)
         if _backend(condition) != kind:
             condition = _like(condition, reference) != 0
-        return (_torch().where if kind == "torch" else _tf().where)(condition, a, b)
+        return _ops(kind).where(condition, a, b)
     return np.where(condition, a, b)
 
 
@@ -209,10 +200,9 @@ def cast(x, dtype):
     kind = _backend(x)
     if kind == "sym":
         return x._cast(dtype)
-    if kind == "torch":
-        return x.to(getattr(_torch(), dtype))
-    if kind == "tensorflow":
-        return _tf().cast(x, dtype)
+    ops = _ops(kind)
+    if ops is not None:
+        return ops.cast(x, dtype)
     return np.asarray(x).astype(dtype)
 
 
@@ -228,11 +218,9 @@ def _per_channel(value, x, axis):
     axis = axis % rank
     shape = [1] * rank
     shape[axis] = -1
-    kind = _backend(value)
-    if kind == "torch":
-        return value.reshape(shape)
-    if kind == "tensorflow":
-        return _tf().reshape(value, shape)
+    ops = _ops(_backend(value))
+    if ops is not None:
+        return ops.reshape(value, shape)
     return np.asarray(value).reshape(shape)
 
 
@@ -277,40 +265,16 @@ def fake_quant(x, scale, zero_point, qmin, qmax, axis=None):
     if isinstance(x, Sym):
         return x._nary("fake_quant", (x, scale, zero_point), qmin=int(qmin), qmax=int(qmax),
                        axis=axis)
-    kind = _backend(x)
-    if kind == "torch":
-        torch = _torch()
-        if torch.jit.is_tracing() and (int(qmin), int(qmax)) in ((-128, 127), (0, 255)):
-            return _torch_fake_quant(x, scale, zero_point, int(qmin), int(qmax), axis)
+    ops = _ops(_backend(x))
+    if ops is not None:
+        # a framework's fused op where it has one (torch while exporting)
+        fused = ops.fake_quant(x, scale, zero_point, qmin, qmax, axis,
+                               to_numpy=_numpy, shape_probe=_shape_probe)
+        if fused is not None:
+            return fused
     scale, zero_point = _per_channel(scale, x, axis), _per_channel(zero_point, x, axis)
     scale, zero_point = _like(scale, x), _like(zero_point, x)
     return (clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale
-
-
-def _torch_fake_quant(x, scale, zero_point, qmin, qmax, axis):
-    """torch's fused fake-quant, which the ONNX exporter writes as a
-    QuantizeLinear/DequantizeLinear pair (used only while exporting)."""
-    torch = _torch()
-
-    def as_torch(value, dtype, shape):
-        # torch values stay torch values: converting them to NumPy while
-        # tracing would bake them in with a TracerWarning
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            value = value.round() if dtype == torch.int32 else value
-            return value.to(dtype).reshape(shape)
-        array = np.asarray(_numpy(value))
-        array = np.round(array) if dtype == torch.int32 else array
-        return torch.as_tensor(array.astype(np.float32 if dtype == torch.float32 else np.int32)
-                               ).reshape(shape)
-
-    if axis is None or np.ndim(_shape_probe(scale)) == 0:
-        return torch.fake_quantize_per_tensor_affine(
-            x, as_torch(scale, torch.float32, ()), as_torch(zero_point, torch.int32, ()),
-            qmin, qmax)
-    return torch.fake_quantize_per_channel_affine(
-        x, as_torch(scale, torch.float32, (-1,)), as_torch(zero_point, torch.int32, (-1,)),
-        axis % x.dim(), qmin, qmax)
 
 
 # ---------------------------------------------------------------------------

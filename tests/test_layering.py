@@ -26,8 +26,6 @@ BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py")
 EXCEPTIONS = {
     "distributed.py": "torch.distributed (DDP) helpers: collectives and local process groups "
                       "exist only in PyTorch",
-    "portable.py": "the portable routine vocabulary dispatches each op on its arguments' "
-                   "framework at call time (torch and TF tensors)",
     "tools/pruning_projects/activation.py": "PyTorch-only pruning project (paper reproduction)",
     "tools/pruning_projects/feature_boosting.py": "PyTorch-only pruning project (paper reproduction)",
     "tools/pruning_projects/models.py": "the pruning projects' small model zoo (PyTorch models, "
