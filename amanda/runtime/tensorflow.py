@@ -607,20 +607,34 @@ class _BodyRewrite:
         return fdef
 
 
+class _Library:
+    """A FunctionDefLibrary, and a graph holding its functions (built once,
+    on first need: rebuilding a body resolves the calls in it there)."""
+
+    def __init__(self, proto):
+        self.proto = proto
+        self._graph = None
+
+    def graph(self):
+        if self._graph is None:
+            self._graph = tf.Graph()
+            holder = tf.compat.v1.GraphDef()
+            holder.library.CopyFrom(self.proto)
+            with self._graph.as_default():
+                tf.import_graph_def(holder, name="")
+        return self._graph
+
+
 def _prefixed_body(prefix, fdef, library):
-    """The body of ``fdef`` as a FuncGraph whose ops are named
-    ``"<prefix>/<node>"``, with its input placeholders' and output tensors'
-    names."""
+    """The body of ``fdef`` (a function of the `_Library` ``library``) as a
+    FuncGraph whose ops are named ``"<prefix>/<node>"``, with its input
+    placeholders' and output tensors' names."""
     from tensorflow.python.framework.func_graph import FuncGraph
     from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
-    holder = tf.Graph()
-    with holder.as_default():
-        functions = tf.compat.v1.GraphDef()
-        functions.library.CopyFrom(library)
-        tf.import_graph_def(functions, name="")
+    with library.graph().as_default():
         plain = function_def_to_graph(fdef)
     graph_def = plain.as_graph_def()
-    graph_def.library.CopyFrom(library)
+    graph_def.library.CopyFrom(library.proto)
     _drop_outer_colocation(graph_def)
     user = FuncGraph(prefix)
     with user.as_default():
@@ -855,6 +869,7 @@ class _GraphRewrite:
             The new FunctionDefs (nested ones included) for the library.
         """
         fdefs = {f.signature.name: f for f in library.function}
+        functions = _Library(library)
         added = []
         for node in nodes:
             changed = False
@@ -863,8 +878,18 @@ class _GraphRewrite:
                 fdef = fdefs.get(func.name)
                 if fdef is None:
                     continue
-                body = _BodyRewrite(node.name, label, fdef, library, self.amanda_session,
-                                    self._probe, gradient_of)
+                try:
+                    body = _BodyRewrite(node.name, label, fdef, functions, self.amanda_session,
+                                        self._probe, gradient_of)
+                except AmandaError:
+                    raise
+                except Exception as exc:   # a body TF cannot rebuild: run it as it is
+                    warnings.warn(
+                        f"amanda (TensorFlow): the ops of function {func.name!r} "
+                        f"({node.name}/{label}) are not instrumented one by one: it could not "
+                        f"be rebuilt ({type(exc).__name__}: {exc}). See docs/tensorflow.md, "
+                        "Limits.", NotInstrumentedWarning, stacklevel=_user_stacklevel())
+                    continue
                 self.bodies.append(body)
                 self.hosted = self.hosted or body.rewrite.hosted
                 if body.fdef is not None:

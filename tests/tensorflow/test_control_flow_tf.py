@@ -340,3 +340,22 @@ def test_evaluate_on_a_body_tensor_says_why_it_cannot():
 
     with pytest.raises(BackendError, match="function body 'loop/body'"):
         _session_run(Evaluating(), graph, z, {x: np.ones(4, np.float32), n: 2})
+
+
+def test_a_body_that_cannot_be_rebuilt_runs_as_it_is_and_is_said(monkeypatch):
+    from amanda.runtime import tensorflow as runtime
+
+    def fails(prefix, fdef, library):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(runtime, "_prefixed_body", fails)
+    graph, x, n, z = _loop_graph()
+    tool = CountingTool()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, out = _session_run(tool, graph, z, {x: np.ones(4, np.float32), n: 2})
+    assert np.array_equal(plain, out)
+    said = [str(w.message) for w in caught
+            if issubclass(w.category, amanda.NotInstrumentedWarning)]
+    assert any("loop/body" in m and "RuntimeError: no" in m for m in said)
+    assert tool.counts["loop"] == 1 and not any("/body/" in k for k in tool.ops)
