@@ -20,6 +20,11 @@ operations, same collections.
   when the scope ends, through the user graph's own read and initializer
   ops (fed), so checkpoints and later plain runs see the trained values and
   no instrumentation state.
+* Ops inside the function bodies of ``While``/``If``/``Case`` and
+  ``PartitionedCall`` are points too, with ids ``"<call op>/<attribute>/<node>"``
+  (`_BodyRewrite`): each body with routines becomes a renamed function in the
+  copy's library, called by a stateful twin of the call op; ops of gradient
+  bodies are backward points mapped to the forward body's ops.
 * While analysis routines run, `evaluate` computes values of the user's
   tensors (uninstrumented, with the current variable values and the inputs of
   the run being rewritten) and `current_session` returns the user's session.
