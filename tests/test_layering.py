@@ -83,3 +83,14 @@ def test_the_scan_sees_imports_inside_functions(tmp_path):
                       "    from onnx import helper\n    return importlib.import_module('tensorflow')\n")
     assert [module for _, module in _framework_imports(sample)] == \
         ["torch.nn", "onnx", "tensorflow"]
+
+
+def test_every_backend_support_module_has_the_common_interface():
+    from amanda.runtime import tool_support
+    common = ("module_path_from_op", "MODULE_PATH_SEPARATOR", "is_whole_graph", "stable_op_id",
+              "backward_flop_factor", "trainable_parameters")
+    for backend in tool_support.SUPPORT:
+        module = tool_support.support_for(backend)
+        assert [name for name in common if not hasattr(module, name)] == [], backend
+    assert tool_support.support_for("amanda/portable") is None
+    assert tool_support.support_for(None) is None

@@ -8,9 +8,11 @@ Importing this module imports neither onnx nor onnxruntime.
 
 from __future__ import annotations
 
-__all__ = ["HOSTED_DTYPES", "attrs_for_new_op", "hosted", "int_attribute", "is_whole_graph",
-           "current_run", "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
-           "load_model", "static_shape", "tensor_values"]
+__all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "attrs_for_new_op",
+           "backward_flop_factor", "current_run", "hosted", "int_attribute",
+           "is_whole_graph", "load_model", "module_path_from_op", "node_attribute",
+           "onnx_module_path", "stable_op_id", "static_shape", "tensor_values",
+           "trainable_parameters"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -150,3 +152,18 @@ def tensor_values(model, feeds, names=(), max_ir_version=None):
     session = ort.InferenceSession(probed.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
     return dict(zip(wanted, session.run(wanted, feeds)))
+
+
+#: How module paths are joined (the exporter's scopes, as dotted paths).
+MODULE_PATH_SEPARATOR = "."
+
+
+def backward_flop_factor(backward_op):
+    """0: ONNX graphs are inference graphs, without backward ops."""
+    return 0
+
+
+def trainable_parameters(inputs):
+    """``{}``: weights of an ONNX graph are initializers, not inputs the
+    routines see as parameters."""
+    return {}

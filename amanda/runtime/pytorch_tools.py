@@ -12,9 +12,11 @@ from __future__ import annotations
 import io
 import sys
 
-__all__ = ["as_tensor_like", "call_argument", "call_arguments", "call_attrs", "export_onnx",
+__all__ = ["MODULE_PATH_SEPARATOR", "as_tensor_like", "backward_flop_factor",
+           "call_argument", "call_arguments", "call_attrs", "export_onnx",
            "has_nonfinite", "is_tensor", "is_whole_graph", "kernel_profiler",
-           "module_path_from_op", "no_grad", "stable_op_id", "tensor_stats"]
+           "module_path_from_op", "no_grad", "stable_op_id", "tensor_stats",
+           "trainable_parameters"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -185,3 +187,26 @@ def export_onnx(model, args, opset):
     buffer = io.BytesIO()
     torch.onnx.export(model, tuple(args), buffer, dynamo=False, opset_version=opset)
     return onnx.load_from_string(buffer.getvalue())
+
+
+#: How module paths are joined (``"encoder.layer.0"``).
+MODULE_PATH_SEPARATOR = "."
+
+# Autograd nodes that compute the gradients of a convolution / matrix
+# product, and how many forward-FLOPs each is charged (FLOPs profiler).
+_BACKWARD_FLOP_FACTORS = {"ConvolutionBackward0": 2, "AddmmBackward0": 2, "MmBackward0": 2,
+                          "BmmBackward0": 2, "BaddbmmBackward0": 2, "LinearBackward0": 2,
+                          "MvBackward0": 2, "ConvolutionBackwardBackward0": 2}
+
+
+def backward_flop_factor(backward_op):
+    """How many forward-FLOPs of its op a backward op (an autograd node, or
+    the object naming it) is charged; 0 when it is not one of those counted."""
+    factors = _BACKWARD_FLOP_FACTORS
+    return factors.get(type(backward_op).__name__,
+                       factors.get(getattr(backward_op, "__name__", ""), 0))
+
+
+def trainable_parameters(inputs):
+    """``{id: element count}`` of the inputs that are ``torch.nn.Parameter`` objects."""
+    return {id(value): value.numel() for value in inputs if type(value).__name__ == "Parameter"}

@@ -5,8 +5,11 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-__all__ = ["frozen_graph_def", "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
-           "tf2onnx_converter"]
+import math
+
+__all__ = ["MODULE_PATH_SEPARATOR", "backward_flop_factor", "frozen_graph_def",
+           "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
+           "tf2onnx_converter", "trainable_parameters"]
 
 
 def name_scope(op_name):
@@ -55,3 +58,47 @@ def tf2onnx_converter():
         return model
 
     return convert
+
+
+#: How module paths (name scopes) are joined (``"model/dense_1"``).
+MODULE_PATH_SEPARATOR = "/"
+
+# Gradient ops that compute the gradients of a convolution / matrix product,
+# and how many forward-FLOPs each is charged (FLOPs profiler).
+_BACKWARD_FLOP_FACTORS = {"Conv2DBackpropInput": 1, "Conv2DBackpropFilter": 1,
+                          "Conv2DBackpropInputV2": 1, "Conv2DBackpropFilterV2": 1,
+                          "DepthwiseConv2dNativeBackpropInput": 1,
+                          "DepthwiseConv2dNativeBackpropFilter": 1,
+                          "MatMul": 1, "BatchMatMul": 1, "BatchMatMulV2": 1, "BatchMatMulV3": 1}
+
+_VARIABLE_READS = ("ReadVariableOp", "VariableV2")
+
+
+def backward_flop_factor(backward_op):
+    """How many forward-FLOPs of its op a gradient ``tf.Operation`` is
+    charged; 0 when it is not one of those counted."""
+    return _BACKWARD_FLOP_FACTORS.get(getattr(backward_op, "type", None), 0)
+
+
+def trainable_parameters(inputs):
+    """``{variable name: element count}`` of the inputs read from a variable
+    (whose static shape is fully known)."""
+    found = {}
+    for value in inputs:
+        producer = getattr(value, "op", None)
+        if getattr(producer, "type", None) in _VARIABLE_READS:
+            shape = _static_shape(value)
+            if shape is not None:
+                key = producer.inputs[0].name if producer.inputs else producer.name
+                found[key] = math.prod(shape)
+    return found
+
+
+def _static_shape(value):
+    """A graph tensor's fully known shape as a tuple, or None."""
+    try:
+        dims = list(value.shape)
+    except TypeError:   # unknown rank
+        return None
+    dims = [getattr(d, "value", d) for d in dims]   # TF1 Dimension
+    return None if None in dims else tuple(int(d) for d in dims)

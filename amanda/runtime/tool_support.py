@@ -14,9 +14,14 @@ Every support module exposes:
 
 * ``module_path_from_op(context)`` -> str or None: the module path of the
   context's op where the runtime recorded none (see :func:`module_path_from_op`);
+* ``MODULE_PATH_SEPARATOR``: how module paths are joined (``.``, TF ``/``);
 * ``is_whole_graph(graph)`` -> bool: whether a lifted IR graph is a whole
   program rather than a step traced op by op;
-* ``stable_op_id(op)``: the id ``context.get_op_id()`` gives the IR op.
+* ``stable_op_id(op)``: the id ``context.get_op_id()`` gives the IR op;
+* ``backward_flop_factor(backward_op)`` -> int: forward-FLOPs a backward op
+  is charged (0: not counted);
+* ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
+  inputs that are trainable parameters.
 
 Backend-specific helpers (``pytorch_tools.call_arguments``,
 ``onnx_tools.node_attribute``, ...) are documented in each module.

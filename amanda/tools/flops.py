@@ -54,8 +54,6 @@ from amanda.tools.flops_formulas import (  # the formula table; public names re-
     RNN_ELEMENTWISE,
     SOFTMAX_TYPES,
     ZERO_FLOP_TYPES,
-    _TF_BACKWARD,
-    _TORCH_BACKWARD,
     _apply,
     _needed_inputs,
     _numel,
@@ -81,21 +79,11 @@ def _backend(namespace):
 
 
 def _parameters(inputs, backend):
-    """``{key: element count}`` of the inputs that are trainable parameters:
-    ``torch.nn.Parameter`` objects; TF values read from a variable."""
-    found = {}
-    for value in inputs:
-        if backend == "pytorch":
-            if type(value).__name__ == "Parameter":
-                found[id(value)] = value.numel()
-        elif backend == "tensorflow":
-            producer = getattr(value, "op", None)
-            if getattr(producer, "type", None) in ("ReadVariableOp", "VariableV2"):
-                shape = _shape(value)
-                if shape is not None:
-                    found[producer.inputs[0].name if producer.inputs else producer.name] = \
-                        _numel(shape)
-    return found
+    """``{key: element count}`` of the inputs that are trainable parameters
+    (the backend says which: ``torch.nn.Parameter`` objects; TF values read
+    from a variable)."""
+    support = support_for(backend)
+    return {} if support is None else support.trainable_parameters(inputs)
 
 
 class FlopsProfiler(amanda.Tool):
@@ -172,12 +160,8 @@ class FlopsProfiler(amanda.Tool):
         op_type = context.get("flops_type")
         if not flops or op_type not in BACKWARD_TYPES:
             return
-        backward_op = context.get_backward_op()
-        if context.namespace.startswith("tensorflow"):
-            factor = _TF_BACKWARD.get(getattr(backward_op, "type", None), 0)
-        else:
-            factor = _TORCH_BACKWARD.get(type(backward_op).__name__,
-                                         _TORCH_BACKWARD.get(getattr(backward_op, "__name__", ""), 0))
+        support = support_for(context.namespace)
+        factor = 0 if support is None else support.backward_flop_factor(context.get_backward_op())
         if not factor:
             return
         module, shape = context.get("flops_module"), context.get("flops_shape")

@@ -216,18 +216,6 @@ _ONNX_ALIASES = {"sum": "add", "max": "maximum", "min": "minimum", "mean": "aver
                  "instance_normalization": "instance_norm",
                  "group_normalization": "group_norm"}
 
-# Backward ops that compute the gradients of a convolution / matrix product,
-# and how many forward-FLOPs each is charged.
-_TORCH_BACKWARD = {"ConvolutionBackward0": 2, "AddmmBackward0": 2, "MmBackward0": 2,
-                   "BmmBackward0": 2, "BaddbmmBackward0": 2, "LinearBackward0": 2,
-                   "MvBackward0": 2, "ConvolutionBackwardBackward0": 2}
-_TF_BACKWARD = {"Conv2DBackpropInput": 1, "Conv2DBackpropFilter": 1,
-                "Conv2DBackpropInputV2": 1, "Conv2DBackpropFilterV2": 1,
-                "DepthwiseConv2dNativeBackpropInput": 1,
-                "DepthwiseConv2dNativeBackpropFilter": 1,
-                "MatMul": 1, "BatchMatMul": 1, "BatchMatMulV2": 1, "BatchMatMulV3": 1}
-
-
 def normalise_type(op_type, backend=None):
     """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF
     and ONNX aliases onto the formula table's names."""

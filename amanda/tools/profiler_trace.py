@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from amanda.runtime.tool_support import support_for
 from amanda.tools.profiler_events import ACCUMULATE_GRAD, BACKWARD, FORWARD
 
 __all__ = ["TraceExport"]
@@ -226,13 +227,17 @@ def _parts(module, namespace):
     """Components of a module path: dotted in PyTorch, name scopes in TF."""
     if not module:
         return ()
-    separator = "/" if namespace.startswith("tensorflow") else "."
-    return tuple(module.split(separator))
+    return tuple(module.split(_separator(namespace)))
 
 
 def _join(parts, namespace):
-    separator = "/" if namespace.startswith("tensorflow") else "."
-    return separator.join(parts)
+    return _separator(namespace).join(parts)
+
+
+def _separator(namespace):
+    """How the backend joins module paths (``.``; TF name scopes: ``/``)."""
+    support = support_for(namespace)
+    return "." if support is None else support.MODULE_PATH_SEPARATOR
 
 
 def _lanes(items):
