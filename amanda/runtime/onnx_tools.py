@@ -9,10 +9,10 @@ Importing this module imports neither onnx nor onnxruntime.
 from __future__ import annotations
 
 __all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "attrs_for_new_op",
-           "backward_flop_factor", "current_run", "hosted", "int_attribute",
-           "is_whole_graph", "load_model", "module_path_from_op", "node_attribute",
-           "onnx_module_path", "stable_op_id", "static_shape", "tensor_values",
-           "trainable_parameters"]
+           "backward_flop_factor", "current_run", "hosted", "initializer",
+           "int_attribute", "is_weight_input", "is_whole_graph", "load_model",
+           "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
+           "static_shape", "tensor_values", "trainable_parameters"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -167,3 +167,14 @@ def trainable_parameters(inputs):
     """``{}``: weights of an ONNX graph are initializers, not inputs the
     routines see as parameters."""
     return {}
+
+
+def initializer(tensor):
+    """The initializer (the frontend's holder of an ``onnx.TensorProto``,
+    with ``to_numpy()``) an IR tensor was lifted from, or None."""
+    return tensor.attrs.get("initializer")
+
+
+def is_weight_input(tensor):
+    """Whether a graph input is a weight: an initializer."""
+    return "initializer" in tensor.attrs

@@ -14,9 +14,9 @@ import sys
 
 __all__ = ["MODULE_PATH_SEPARATOR", "as_tensor_like", "backward_flop_factor",
            "call_argument", "call_arguments", "call_attrs", "export_onnx",
-           "has_nonfinite", "is_tensor", "is_whole_graph", "kernel_profiler",
-           "module_path_from_op", "no_grad", "stable_op_id", "tensor_stats",
-           "trainable_parameters"]
+           "has_nonfinite", "is_tensor", "is_weight_input", "is_whole_graph",
+           "kernel_profiler", "module_path_from_op", "no_grad", "stable_op_id",
+           "tensor_stats", "trainable_parameters"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -210,3 +210,9 @@ def backward_flop_factor(backward_op):
 def trainable_parameters(inputs):
     """``{id: element count}`` of the inputs that are ``torch.nn.Parameter`` objects."""
     return {id(value): value.numel() for value in inputs if type(value).__name__ == "Parameter"}
+
+
+def is_weight_input(tensor):
+    """Whether a graph input is a weight: a parameter, buffer or attribute
+    of a captured program (an eager step's inputs are never told apart)."""
+    return tensor.attrs.get("kind", "input") != "input"

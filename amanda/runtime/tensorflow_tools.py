@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["MODULE_PATH_SEPARATOR", "backward_flop_factor", "frozen_graph_def",
-           "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
-           "tf2onnx_converter", "trainable_parameters"]
+           "is_weight_input", "is_whole_graph", "module_path_from_op", "name_scope",
+           "stable_op_id", "tf2onnx_converter", "trainable_parameters"]
 
 
 def name_scope(op_name):
@@ -102,3 +102,9 @@ def _static_shape(value):
         return None
     dims = [getattr(d, "value", d) for d in dims]   # TF1 Dimension
     return None if None in dims else tuple(int(d) for d in dims)
+
+
+def is_weight_input(tensor):
+    """False: a lifted TF graph's inputs are its feeds; variables are read
+    by ops (whose outputs the tools count as weights)."""
+    return False

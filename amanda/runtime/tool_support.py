@@ -21,7 +21,9 @@ Every support module exposes:
 * ``backward_flop_factor(backward_op)`` -> int: forward-FLOPs a backward op
   is charged (0: not counted);
 * ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
-  inputs that are trainable parameters.
+  inputs that are trainable parameters;
+* ``is_weight_input(tensor)`` -> bool: whether a lifted graph's input is a
+  weight (an ONNX initializer, a captured PyTorch parameter).
 
 Backend-specific helpers (``pytorch_tools.call_arguments``,
 ``onnx_tools.node_attribute``, ...) are documented in each module.

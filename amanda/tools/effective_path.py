@@ -264,14 +264,17 @@ def _constant_tensors(forward, type_of):
     for op in forward:                   # graph order: producers first
         op_type = type_of(op)
         if op_type in WEIGHT_SOURCE_TYPES or op_type in CONSTANT_TYPES or (op.inputs and all(
-                t in constant or (t.producer is None and _is_weight(t)) for t in op.inputs)):
+                t in constant or (t.producer is None and _is_weight(t, op.namespace))
+                for t in op.inputs)):
             constant.update(op.outputs)
     return constant
 
 
-def _is_weight(tensor):
-    """Whether a graph input is a weight (an ONNX initializer, a parameter)."""
-    return tensor.attrs.get("kind", "input") != "input" or "initializer" in tensor.attrs
+def _is_weight(tensor, namespace):
+    """Whether a graph input of an op of ``namespace`` is a weight (an ONNX
+    initializer, a captured parameter): the backend says."""
+    support = support_for(namespace)
+    return support is not None and support.is_weight_input(tensor)
 
 
 def _merged_output_mask(op, masks):
@@ -379,7 +382,9 @@ def _per_sample(graph, ops, masks, found, unknown, labels, theta, type_of):
                 path.synapses[op.name] = found[op][b]
         for tensor in graph.inputs:
             mask = masks.get(tensor)
-            if mask is not None and not _is_weight(tensor) and mask.shape[0] == len(labels):
+            namespace = tensor.uses[0][0].namespace if tensor.uses else graph.namespace
+            if mask is not None and not _is_weight(tensor, namespace) and \
+                    mask.shape[0] == len(labels):
                 path.inputs[tensor.name] = _report(mask[b], tensor, channels_last)
         path.unknown = list(unknown)
         paths.append(path)

@@ -236,7 +236,7 @@ def _onnx_initializer(context, position):
     ir_op = context.get_ir_op()
     if ir_op is None or position >= len(ir_op.inputs):
         return None
-    return ir_op.inputs[position].attrs.get("initializer")
+    return support_for("onnx").initializer(ir_op.inputs[position])
 
 
 def onnx_rule(context):
