@@ -94,3 +94,33 @@ def test_every_backend_support_module_has_the_common_interface():
         assert [name for name in common if not hasattr(module, name)] == [], backend
     assert tool_support.support_for("amanda/portable") is None
     assert tool_support.support_for(None) is None
+
+
+@pytest.mark.parametrize("namespace, op_name, recorded, expected", [
+    ("pytorch/2.0/eager", "conv2d", "features.0", "features.0"),
+    ("pytorch/2.0/eager", "conv2d", "", ""),             # the root module
+    ("pytorch/2.0/eager", "conv2d", None, None),         # outside every module
+    ("tensorflow/2.0/graph", "block1/conv/Conv2D", None, "block1/conv"),
+    ("tensorflow/2.0/graph", "MatMul", None, None),
+    ("onnx/21/graph", "/encoder/stages.0/layer/layer.1/conv/Conv", None,
+     "encoder.stages.0.layer.1.conv"),
+    ("onnx/21/graph", "Conv_3", None, None),
+    ("amanda/portable", "x/y", None, None),              # no backend rule
+])
+def test_get_module_path_answers_on_every_backend(namespace, op_name, recorded, expected):
+    import types
+
+    import amanda
+    op = types.SimpleNamespace(name=op_name)
+    context = amanda.OpContext(namespace, op, 1, op_name, module_path=recorded)
+    assert context.get_module_path() == expected
+
+
+def test_tf_backward_context_without_forward_op_uses_the_gradient_op_scope():
+    import types
+
+    import amanda
+    grad = types.SimpleNamespace(name="gradients/dense/MatMul_grad/MatMul")
+    context = amanda.OpContext("tensorflow/2.0/graph", None, None, None, backward_op=grad,
+                               backward_op_id=7)
+    assert context.get_module_path() == "gradients/dense/MatMul_grad"
