@@ -88,7 +88,8 @@ def test_the_scan_sees_imports_inside_functions(tmp_path):
 def test_every_backend_support_module_has_the_common_interface():
     from amanda.runtime import tool_support
     common = ("module_path_from_op", "MODULE_PATH_SEPARATOR", "is_whole_graph", "stable_op_id",
-              "backward_flop_factor", "trainable_parameters", "is_weight_input")
+              "backward_flop_factor", "trainable_parameters", "is_weight_input",
+              "ROUTINES_ORDERED_BY_DATAFLOW")
     for backend in tool_support.SUPPORT:
         module = tool_support.support_for(backend)
         assert [name for name in common if not hasattr(module, name)] == [], backend

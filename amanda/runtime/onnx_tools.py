@@ -8,11 +8,11 @@ Importing this module imports neither onnx nor onnxruntime.
 
 from __future__ import annotations
 
-__all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "attrs_for_new_op",
-           "backward_flop_factor", "current_run", "hosted", "initializer",
-           "int_attribute", "is_weight_input", "is_whole_graph", "load_model",
-           "module_path_from_op", "node_attribute", "onnx_module_path", "stable_op_id",
-           "static_shape", "tensor_values", "trainable_parameters"]
+__all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
+           "attrs_for_new_op", "backward_flop_factor", "current_run", "hosted",
+           "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
+           "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
+           "stable_op_id", "static_shape", "tensor_values", "trainable_parameters"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -178,3 +178,8 @@ def initializer(tensor):
 def is_weight_input(tensor):
     """Whether a graph input is a weight: an initializer."""
     return "initializer" in tensor.attrs
+
+
+#: Whether an inserted routine runs in order with its op only through the
+#: tensors it hands back (True: onnxruntime orders nodes by dataflow alone).
+ROUTINES_ORDERED_BY_DATAFLOW = True

@@ -12,11 +12,11 @@ from __future__ import annotations
 import io
 import sys
 
-__all__ = ["MODULE_PATH_SEPARATOR", "as_tensor_like", "backward_flop_factor",
-           "call_argument", "call_arguments", "call_attrs", "export_onnx",
-           "has_nonfinite", "is_tensor", "is_weight_input", "is_whole_graph",
-           "kernel_profiler", "module_path_from_op", "no_grad", "stable_op_id",
-           "tensor_stats", "trainable_parameters"]
+__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "as_tensor_like",
+           "backward_flop_factor", "call_argument", "call_arguments", "call_attrs",
+           "export_onnx", "has_nonfinite", "is_tensor", "is_weight_input",
+           "is_whole_graph", "kernel_profiler", "module_path_from_op", "no_grad",
+           "stable_op_id", "tensor_stats", "trainable_parameters"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -216,3 +216,8 @@ def is_weight_input(tensor):
     """Whether a graph input is a weight: a parameter, buffer or attribute
     of a captured program (an eager step's inputs are never told apart)."""
     return tensor.attrs.get("kind", "input") != "input"
+
+
+#: Whether an inserted routine runs in order with its op only through the
+#: tensors it hands back (False: routines run where they were inserted).
+ROUTINES_ORDERED_BY_DATAFLOW = False

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MODULE_PATH_SEPARATOR", "backward_flop_factor", "frozen_graph_def",
-           "is_weight_input", "is_whole_graph", "module_path_from_op", "name_scope",
-           "stable_op_id", "tf2onnx_converter", "trainable_parameters"]
+__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
+           "backward_flop_factor", "frozen_graph_def", "is_weight_input",
+           "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
+           "tf2onnx_converter", "trainable_parameters"]
 
 
 def name_scope(op_name):
@@ -108,3 +109,8 @@ def is_weight_input(tensor):
     """False: a lifted TF graph's inputs are its feeds; variables are read
     by ops (whose outputs the tools count as weights)."""
     return False
+
+
+#: Whether an inserted routine runs in order with its op only through the
+#: tensors it hands back (False: the runtime adds control dependencies).
+ROUTINES_ORDERED_BY_DATAFLOW = False

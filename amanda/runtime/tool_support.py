@@ -23,7 +23,9 @@ Every support module exposes:
 * ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
   inputs that are trainable parameters;
 * ``is_weight_input(tensor)`` -> bool: whether a lifted graph's input is a
-  weight (an ONNX initializer, a captured PyTorch parameter).
+  weight (an ONNX initializer, a captured PyTorch parameter);
+* ``ROUTINES_ORDERED_BY_DATAFLOW``: whether a routine runs in order with
+  its op only through the tensors it hands back (ONNX).
 
 Backend-specific helpers (``pytorch_tools.call_arguments``,
 ``onnx_tools.node_attribute``, ...) are documented in each module.

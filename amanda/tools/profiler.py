@@ -161,7 +161,8 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
         op_type = context.get("type") or context.get_op_name()
         info = self._new_info(FORWARD, op_type, op_type, context, module_path_of(context),
                               _shapes(context.get_inputs()), _producers(context.get_op()))
-        if context.namespace.startswith("onnx/"):
+        support = support_for(context.namespace)
+        if support is not None and support.ROUTINES_ORDERED_BY_DATAFLOW:
             # onnxruntime orders a routine only by dataflow: the routines hand
             # back the op's first input and output, so the op waits for the
             # start routine and its consumers for the stop routine
