@@ -1,8 +1,7 @@
 """Reports of several processes (``torch.distributed`` ranks) merged into one.
 
-PyTorch only (process groups and DDP are ``torch.distributed``'s), so this
-module imports torch where it needs it; it is one of the exceptions listed in
-tests/test_layering.py.
+PyTorch only (process groups and DDP are ``torch.distributed``'s); the
+torch side lives in :mod:`amanda.runtime.pytorch_distributed`.
 
 amanda's tools run unchanged inside ``DistributedDataParallel``; each rank
 has its own profiler with its own results. The helpers here are collective
@@ -129,11 +128,8 @@ def merge_counts(reports, what="counts", strict=False):
 # -- collectives -------------------------------------------------------------------------------
 
 def _dist():
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        raise AmandaError("amanda.distributed: no torch.distributed process group; "
-                          "call torch.distributed.init_process_group first")
-    return dist
+    from amanda.runtime.pytorch_distributed import process_group
+    return process_group()
 
 
 def _gather(value, dst, group):
@@ -208,19 +204,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _local_worker(rank, worker, nproc, port, folder, args):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=nproc)
-    try:
-        result = worker(rank, nproc, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
-        pickle.dump(result, f)
-
-
 def run_local(worker, nproc, *args):
     """Run ``worker(rank, nproc, *args)`` on ``nproc`` new local processes
     joined in a gloo process group on 127.0.0.1.
@@ -233,11 +216,11 @@ def run_local(worker, nproc, *args):
     Returns:
         The workers' return values, by rank.
     """
-    import torch.multiprocessing as mp
+    from amanda.runtime.pytorch_distributed import run_workers
     if nproc < 1:
         raise AmandaError(f"amanda.distributed.run_local: nproc must be at least 1, got {nproc}")
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_local_worker, args=(worker, nproc, _free_port(), folder, args), nprocs=nproc)
+        run_workers(worker, nproc, _free_port(), folder, args)
         results = []
         for rank in range(nproc):
             with open(os.path.join(folder, f"rank{rank}.pickle"), "rb") as f:
@@ -247,16 +230,14 @@ def run_local(worker, nproc, *args):
 
 def _profile_worker(rank, nproc, spec, what, steps, kernels):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
     import amanda
     from amanda import models
+    from amanda.runtime.pytorch_distributed import wrap_ddp
     work = models.load(spec)
     if work.framework != "pytorch":
         raise AmandaError(f"amanda.distributed: {spec} is a {work.framework} model; "
                           "several processes run PyTorch models under DDP")
-    torch.set_num_threads(1)   # N processes share the machine's cores
-    work.model = torch.nn.parallel.DistributedDataParallel(work.model)
+    work.model = wrap_ddp(work.model)   # one thread each: N processes share the cores
     if what == "trace":
         from amanda.tools.profiler import OpProfiler, profile_steps
         profiler = OpProfiler()

@@ -24,8 +24,6 @@ BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py")
 #: Modules outside the backend areas that may import a framework, with why.
 #: Keep it short: each entry is a tool that only makes sense for one framework.
 EXCEPTIONS = {
-    "distributed.py": "torch.distributed (DDP) helpers: collectives and local process groups "
-                      "exist only in PyTorch",
     "tools/pruning_projects/activation.py": "PyTorch-only pruning project (paper reproduction)",
     "tools/pruning_projects/feature_boosting.py": "PyTorch-only pruning project (paper reproduction)",
     "tools/pruning_projects/models.py": "the pruning projects' small model zoo (PyTorch models, "
