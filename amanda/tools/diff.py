@@ -25,6 +25,11 @@ through the mapping tables (``Conv2D`` and ``Conv`` are both ``conv2d``), and
 NHWC values are moved to NCHW where the ONNX graph computes in NCHW. TF ops
 the converter fused or removed are listed, never guessed. It lives in
 :mod:`amanda.tools.diff_tf`; both share :mod:`amanda.tools.diff_values`.
+
+These are cross-framework diagnostics: they read the structure of the
+``onnx.ModelProto`` and ``tf.Graph`` they compare, but export, convert, load
+and run models through the backends' tool-support modules
+(:mod:`amanda.runtime.tool_support`), so they import no framework.
 """
 
 from __future__ import annotations
