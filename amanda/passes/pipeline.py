@@ -49,7 +49,8 @@ class GraphCompletedPass:
         return PassResult(graph, False)
 
 
-def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="instrument"):
+def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="instrument",
+                     whole=True):
     """Runs the pipeline over an IR graph a frontend lifted.
 
     Args:
@@ -61,6 +62,8 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         extras: backend passes run after the analysis, before
             ``graph_completed``.
         name: the pipeline's name in error messages.
+        whole: ``graph`` is a whole program, handed to graph tools; False for
+            a part of one (a TF function body instrumented on its own).
 
     Returns:
         ``(plan, lowered)``: the :class:`InstrumentationPlan` and the new graph
@@ -72,7 +75,8 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         PassError: a pass broke the IR (named with the passes run before it).
     """
     analyse = InstrumentationPass(session, backend, plan)
-    passes = [analyse, *extras, GraphCompletedPass(session), LowerActionsPass(analyse)]
+    passes = [analyse, *extras, *([GraphCompletedPass(session)] if whole else []),
+              LowerActionsPass(analyse)]
     with controls.muted():
         result = PassManager(passes, name=name)(graph)
     return analyse.plan, result.graph

@@ -52,7 +52,8 @@ from amanda import controls, portable
 from amanda.errors import (AmandaError, BackendError, NotBitExactWarning, NotInstrumentedWarning,
                            ToolError)
 from amanda.ir import Graph
-from amanda.passes.instrumentation import GraphBackend, run_instrumentation_pass
+from amanda.passes.instrumentation import GraphBackend
+from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime import swapped
 from amanda.runtime.routines import call_routine, check_replacements
@@ -542,6 +543,7 @@ class _BodyRewrite:
         self.user = user
         self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
         self.rewrite.gradient_of = gradient_of
+        self.rewrite.whole = False
         self.rewrite.refresh(_BodyProbe(outer_probe, prefix))
         self.fdef = None
         if self.rewrite.realised or any(b.fdef is not None for b in self.rewrite.bodies):
@@ -699,6 +701,7 @@ class _GraphRewrite:
         # a gradient function's body: the forward bodies (_BodyRewrite) its
         # ops differentiate, None for a graph that is no gradient body
         self.gradient_of = None
+        self.whole = True           # a whole program (graph tools get it), not a function body
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -715,19 +718,15 @@ class _GraphRewrite:
         from amanda.frontends.tensorflow import lift_graph
         ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
         self._warn_bodies(ir_graph)
-        state = controls.state
-        saved, state.disabled = state.disabled, True   # rules may run the user's graph
-        try:
-            with _probing(probe):
-                if self.gradient_of is not None:
+        with _probing(probe):   # analysis may evaluate tensors of the user's graph
+            if self.gradient_of is not None:
+                with controls.muted():
                     self.plan = self._analyse_gradient_body(ir_graph)
-                else:
-                    self.plan = run_instrumentation_pass(ir_graph, self.amanda_session,
-                                                         TFGraphBackend(self.user_graph),
-                                                         self.plan)
-        finally:
-            state.disabled = saved
-        lowered = lower_actions(ir_graph, self.plan)
+                lowered = lower_actions(ir_graph, self.plan)
+            else:
+                self.plan, lowered = run_pipeline(
+                    ir_graph, self.amanda_session, TFGraphBackend(self.user_graph),
+                    plan=self.plan, name="tensorflow", whole=self.whole)
         self._probe = probe
         self._import_new_ops()
         self._realise(lowered)
