@@ -90,10 +90,18 @@ FRAMEWORK_OPS = {
 }
 
 
+_LOADED_OPS = {}
+
+
 def _ops(kind):
     """The framework's vocabulary module, or None (NumPy, traced values)."""
-    name = FRAMEWORK_OPS.get(kind)
-    return None if name is None else importlib.import_module(name)
+    module = _LOADED_OPS.get(kind)
+    if module is None:
+        name = FRAMEWORK_OPS.get(kind)
+        if name is None:
+            return None
+        module = _LOADED_OPS[kind] = importlib.import_module(name)
+    return module
 
 
 def _like(value, reference):

@@ -44,6 +44,8 @@ SUPPORT = {
     "onnx": "amanda.runtime.onnx_tools",
 }
 
+_LOADED = {}   # backend -> its support module, once imported
+
 
 def support_for(namespace):
     """The tool-support module of a backend, or None for an unknown one.
@@ -55,8 +57,14 @@ def support_for(namespace):
     Returns:
         The module (imported on first use), or None.
     """
-    name = SUPPORT.get((namespace or "").split("/", 1)[0])
-    return None if name is None else importlib.import_module(name)
+    backend = (namespace or "").split("/", 1)[0]
+    module = _LOADED.get(backend)
+    if module is None:
+        name = SUPPORT.get(backend)
+        if name is None:
+            return None
+        module = _LOADED[backend] = importlib.import_module(name)
+    return module
 
 
 def module_path_from_op(context):
