@@ -920,7 +920,19 @@ class _GraphRewrite:
         if name.startswith("^"):
             return self.copy.get_operation_by_name(name[1:])
         op_name, _, index = name.partition(":")
-        return self.copy.get_operation_by_name(op_name).outputs[int(index or 0)]
+        outputs = self.copy.get_operation_by_name(op_name).outputs
+        if int(index or 0) >= len(outputs):
+            # TF changes some ops in place after they were built: tf.gradients
+            # of a While/If adds outputs to the forward op. The copy holds the
+            # op as it was when amanda first copied it.
+            raise BackendError(
+                f"the op {op_name!r} of the user's graph changed after it was instrumented "
+                f"(it has more outputs now than its copy's {len(outputs)}): TensorFlow adds "
+                "outputs to a While/If when tf.gradients differentiates it after the graph "
+                "ran. TensorFlow cannot run that graph in the same session either; call "
+                "tf.compat.v1.experimental.output_all_intermediates(True) before building "
+                "the loop, or build the gradients before the first run")
+        return outputs[int(index or 0)]
 
     def _realise(self, lowered):
         made = {}  # IR routine op -> its tensors in the copy

@@ -359,3 +359,28 @@ def test_a_body_that_cannot_be_rebuilt_runs_as_it_is_and_is_said(monkeypatch):
             if issubclass(w.category, amanda.NotInstrumentedWarning)]
     assert any("loop/body" in m and "RuntimeError: no" in m for m in said)
     assert tool.counts["loop"] == 1 and not any("/body/" in k for k in tool.ops)
+
+
+def test_gradients_of_a_loop_added_after_an_instrumented_run_is_a_clear_error():
+    """tf.gradients of a While built after the graph ran changes the forward
+    While in place (more outputs). Plain TF cannot run that in the same session
+    either; amanda says why instead of an IndexError from its copy."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [3])
+        w = tf.compat.v1.get_variable("w_late", initializer=tf.ones([3]))
+        out = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, tf.tanh(v * w)),
+                            [tf.constant(0), x])[1]
+        loss = tf.reduce_sum(out)
+    session = tf.compat.v1.Session(graph=graph)
+    session.run(w.initializer)
+    feed = {x: np.array([0.1, 0.2, 0.3], np.float32)}
+    # exiting apply hands the variables back through the user's session, which
+    # TF cannot run any more (the same error a plain run gives)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="output_all_intermediates"):
+        with amanda.apply(IdentityTool()):
+            session.run(loss, feed)
+            with graph.as_default():
+                grads = tf.compat.v1.gradients(loss, [w])
+            with pytest.raises(amanda.BackendError, match="output_all_intermediates"):
+                session.run(grads, feed)
