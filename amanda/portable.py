@@ -39,12 +39,12 @@ NumPy, a traced value records an IR op.
 from __future__ import annotations
 
 import builtins
-import importlib
 import sys
 
 import numpy as np
 
 from amanda.errors import AmandaError, describe
+from amanda.runtime import lazy_module
 
 NAMESPACE = "amanda/portable"
 _MARK = "__amanda_portable__"
@@ -95,13 +95,7 @@ _LOADED_OPS = {}
 
 def _ops(kind):
     """The framework's vocabulary module, or None (NumPy, traced values)."""
-    module = _LOADED_OPS.get(kind)
-    if module is None:
-        name = FRAMEWORK_OPS.get(kind)
-        if name is None:
-            return None
-        module = _LOADED_OPS[kind] = importlib.import_module(name)
-    return module
+    return lazy_module(FRAMEWORK_OPS, _LOADED_OPS, kind)
 
 
 def _like(value, reference):

@@ -61,6 +61,19 @@ def evaluate(values):
     return importlib.import_module(module).evaluate(values)
 
 
+def lazy_module(table, loaded, key):
+    """The module ``table[key]`` names, imported on first use and kept in
+    ``loaded``; None for a key the table lacks. The pattern of every
+    per-backend table here: nothing is imported until a backend is used."""
+    module = loaded.get(key)
+    if module is None:
+        name = table.get(key)
+        if name is None:
+            return None
+        module = loaded[key] = importlib.import_module(name)
+    return module
+
+
 @contextlib.contextmanager
 def swapped(holder, name, value):
     """Set ``holder.name`` to ``value`` for the block and restore the previous

@@ -33,7 +33,7 @@ Backend-specific helpers (``pytorch_tools.call_arguments``,
 
 from __future__ import annotations
 
-import importlib
+from amanda.runtime import lazy_module
 
 __all__ = ["SUPPORT", "module_path_from_op", "support_for"]
 
@@ -57,14 +57,7 @@ def support_for(namespace):
     Returns:
         The module (imported on first use), or None.
     """
-    backend = (namespace or "").split("/", 1)[0]
-    module = _LOADED.get(backend)
-    if module is None:
-        name = SUPPORT.get(backend)
-        if name is None:
-            return None
-        module = _LOADED[backend] = importlib.import_module(name)
-    return module
+    return lazy_module(SUPPORT, _LOADED, (namespace or "").split("/", 1)[0])
 
 
 def module_path_from_op(context):

@@ -15,19 +15,8 @@ _ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx write
 
 
 def onnx_tensor_values(model, feeds, names=()):
-    """Run an ONNX model in onnxruntime and return intermediate tensors too.
-
-    onnxruntime only returns a model's declared outputs; the named tensors are
-    declared as extra outputs of a copy (the model is not modified).
-
-    Args:
-        model: an ``onnx.ModelProto``.
-        feeds: input name -> array.
-        names: names of node outputs to return besides the model's outputs.
-
-    Returns:
-        A dict tensor name -> array holding the model's outputs and ``names``.
-    """
+    """`amanda.runtime.onnx_tools.tensor_values` for this onnxruntime: a
+    dict tensor name -> array of the model's outputs and ``names``."""
     return support_for("onnx").tensor_values(model, feeds, names, max_ir_version=_ORT_IR_VERSION)
 
 
