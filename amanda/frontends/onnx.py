@@ -57,11 +57,11 @@ type, a cycle, a file that is not an ONNX model.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import os
 
 from amanda.errors import BackendError
+from amanda.frontends.onnx_proto import ProtoAttr, _text
 from amanda.ir import Graph
 from amanda.ir.attrs import iter_graphs
 
@@ -75,46 +75,6 @@ def _onnx():
     import onnx
 
     return onnx
-
-
-class ProtoAttr:
-    """A protobuf message kept in IR attrs (a weight, a tensor attribute, a type).
-
-    Its ``repr`` is the message type and a digest of its bytes, so structural
-    hashes cover the content without printing it; JSON keeps only that repr.
-    Treat the message as read-only: IR copies share it.
-
-    Attributes:
-        message: the protobuf message.
-    """
-
-    __slots__ = ("_digest", "message")
-
-    def __init__(self, message):
-        self.message = message
-        self._digest = None
-
-    @property
-    def digest(self):
-        """SHA-256 of the serialized message (computed once)."""
-        if self._digest is None:
-            self._digest = hashlib.sha256(self.message.SerializeToString()).hexdigest()
-        return self._digest
-
-    def to_numpy(self):
-        """The value of a ``TensorProto`` as a NumPy array."""
-        from onnx import numpy_helper
-
-        return numpy_helper.to_array(self.message)
-
-    def __eq__(self, other):
-        return isinstance(other, ProtoAttr) and other.digest == self.digest
-
-    def __hash__(self):
-        return hash(self.digest)
-
-    def __repr__(self):
-        return f"onnx.{type(self.message).__name__}(sha256:{self.digest[:24]})"
 
 
 def default_namespace(model):
@@ -622,13 +582,6 @@ def kahn_order(needs):
             if pending[user] == 0:
                 heapq.heappush(ready, user)
     return order
-
-
-def _text(data):
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return bytes(data)
 
 
 # AttributeProto.AttributeType value -> name (as in the ONNX enum)
