@@ -71,7 +71,8 @@ import amanda
 from amanda.errors import ToolError
 from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
-from amanda.tools.effective_path_params import PARAM_READERS, _canonical_call, _params
+from amanda.tools.effective_path_params import (PARAM_READERS, StepValues, _canonical_call, _params,
+                                                 stable_op_key)
 from amanda.tools.effective_path_rules import (  # the rule table; names re-exported
     CONSTANT_TYPES,
     INPUT_TYPES,
@@ -496,7 +497,7 @@ class EffectivePathTool(amanda.Tool):
 
     def _extract(self, graph, values):
         with amanda.disabled():   # the walk's own array work is no model code
-            paths = extract_paths(graph, _EagerValues(graph, values), self._type_of,
+            paths = extract_paths(graph, StepValues(values), self._type_of,
                                   theta=self.theta, output=self._output_tensor(graph),
                                   strict=self.strict)
         unknown = paths[0].unknown if paths else []
@@ -509,7 +510,7 @@ class EffectivePathTool(amanda.Tool):
         return paths
 
     def _type_of(self, op):
-        found = self._types.get(_op_key(op))
+        found = self._types.get(stable_op_key(op))
         return found if found is not None else mapping_rules.canonical_type(
             op.type, mapping_rules.PYTORCH_TYPES)
 
@@ -566,38 +567,3 @@ def _default_output(forward):
                 str(op.outputs[0].attrs.get("dtype", "float")).startswith(("float", "double")):
             return op.outputs[0]
     return with_outputs[-1].outputs[0] if with_outputs else None
-
-
-def _op_key(op):
-    """The stable op id of an IR op (what ``context.get_op_id()`` returned
-    for it): the backend says; the op name by default."""
-    support = support_for(op.namespace)
-    return op.name if support is None else support.stable_op_id(op)
-
-
-class _EagerValues:
-    """``value_of`` for a step: the NumPy copies the tool's routines kept, by
-    stable op id; graph inputs through the ops reading them."""
-
-    def __init__(self, graph, values):
-        self.values = values
-        self.cache = {}
-
-    def __call__(self, tensor):
-        found = self.cache.get(tensor)
-        if found is not None:
-            return found
-        if tensor.producer is not None:
-            entry = self.values.get(_op_key(tensor.producer))
-            value = entry[1][tensor.index] if entry and tensor.index < len(entry[1]) else None
-        else:
-            value = None
-            for op, position in tensor.uses:
-                entry = self.values.get(_op_key(op))
-                if entry and position < len(entry[0]):
-                    value = entry[0][position]
-                    break
-        if value is not None:
-            self.cache[tensor] = value
-        return value
-

@@ -1,4 +1,5 @@
-"""Effective path: each backend's op parameters in the rules' canonical form.
+"""Effective path: each backend's op parameters in the rules' canonical form, and the
+values a step's routines kept (`StepValues`).
 
 :data:`PARAM_READERS` maps a namespace prefix and a canonical op type to a
 reader returning the parameters a rule of
@@ -322,3 +323,37 @@ def _canonical_call(rule, v, layouts):
     if result is not None and moved and 0 in result.inputs:
         result.inputs[0] = mapping_tables.convert_layout(result.inputs[0], "NCHW", activation)
     return result
+
+
+def stable_op_key(op):
+    """The stable op id of an IR op (what ``context.get_op_id()`` returned
+    for it): the backend says; the op name by default."""
+    support = support_for(op.namespace)
+    return op.name if support is None else support.stable_op_id(op)
+
+
+class StepValues:
+    """``value_of`` for a step: the NumPy copies the tool's routines kept, by
+    stable op id; graph inputs through the ops reading them."""
+
+    def __init__(self, values):
+        self.values = values
+        self.cache = {}
+
+    def __call__(self, tensor):
+        found = self.cache.get(tensor)
+        if found is not None:
+            return found
+        if tensor.producer is not None:
+            entry = self.values.get(stable_op_key(tensor.producer))
+            value = entry[1][tensor.index] if entry and tensor.index < len(entry[1]) else None
+        else:
+            value = None
+            for op, position in tensor.uses:
+                entry = self.values.get(stable_op_key(op))
+                if entry and position < len(entry[0]):
+                    value = entry[0][position]
+                    break
+        if value is not None:
+            self.cache[tensor] = value
+        return value
