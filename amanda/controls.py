@@ -46,7 +46,9 @@ class muted:
     (one per instrumentation point). Every runtime uses it instead of
     saving and restoring ``state.disabled`` by hand, so the rule "amanda
     never instruments itself, and leaves the switch as it found it, also
-    on errors" lives here.
+    on errors" lives here. Where the muted stretch spans two callbacks (a
+    compiled call from Dynamo's callback to its end), the runtime keeps the
+    object and calls ``__enter__``/``__exit__`` itself.
     """
 
     __slots__ = ("saved",)

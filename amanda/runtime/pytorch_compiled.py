@@ -203,7 +203,7 @@ class _Call:
     it nor guards on it; `resume` puts it back, at the call's end or as soon
     as the call falls back to eager (`fall_back`)."""
 
-    __slots__ = ("st", "mode", "saved_hooks", "disabled", "choice", "callback", "out", "entered",
+    __slots__ = ("st", "mode", "saved_hooks", "mute", "choice", "callback", "out", "entered",
                  "compiled")
 
     def __init__(self, st, choice, callback):
@@ -224,8 +224,8 @@ class _Call:
                 del table[key]
         # disabled: the patched autograd engine must not push the mode back while
         # AOTAutograd traces the joint graph, nor at the compiled backward
-        self.disabled = controls.state.disabled
-        controls.state.disabled = True
+        self.mute = controls.muted()
+        self.mute.__enter__()   # ended by _put_back, when the call resumes amanda's machinery
         self.out = True
         calls = getattr(_tls, "calls", None)
         if calls is None:
@@ -249,7 +249,7 @@ class _Call:
 
     def _put_back(self):
         self.out = False
-        controls.state.disabled = self.disabled
+        self.mute.__exit__(None, None, None)
         for table, items in self.saved_hooks:
             added = [(k, v) for k, v in table.items() if k not in dict(items)]
             table.clear()
@@ -349,8 +349,7 @@ def analyse(lifted, session):
     """
     backend = CompiledGraphBackend(lifted)
     plan = {}
-    saved, controls.state.disabled = controls.state.disabled, True
-    try:
+    with controls.muted():
         for op in lifted.graph.ops:
             context = OpContext(NAMESPACE, backend.raw_op(op), lifted.op_ids[op.name], op.type,
                                 module_path=lifted.module_paths[op.name])
@@ -358,8 +357,6 @@ def analyse(lifted, session):
                                 (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
             if entry:
                 plan[op.name] = entry
-    finally:
-        controls.state.disabled = saved
     return plan
 
 
