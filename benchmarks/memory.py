@@ -325,27 +325,40 @@ def run(repeats=None, quick=False, log=print, backends=tuple(CONFIGS)):
     return render(results, machine), {"suite": NAME, "machine": machine, "results": results}
 
 
+# ONNX observers have two points (no backward) and run after session.run by default
+LABELS = {("onnx", OBSERVE): "observe before/after every node, after the run"}
+
+
+def _step_kib(figures):
+    """What the steps added above the built model (their own peak)."""
+    return figures.get("step_peak_kib", figures["peak_kib"]) - figures["built_kib"]
+
+
 def render(results, machine):
     from benchmarks import harness
     lines = ["# amanda peak memory (observe-only routines on every op)", "",
              f"{STEPS} steps per process (PyTorch eager and TF `Session` training steps, "
-             "onnxruntime forward runs); peak RSS (`ru_maxrss`) in MiB; 'step' is the peak "
-             "above the process once the model (and, under amanda, its rewrite) was built.",
-             "", "| backend | allocator | model | batch | configuration | vanilla peak "
-             "| observe peak | × vanilla | vanilla step | observe step | × step | routine calls |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "onnxruntime forward runs), MiB of resident memory. 'built': once the model "
+             "(and, under amanda, its rewrite or instrumented session) was built; 'peak': "
+             "the process's peak (`VmHWM`, build included); 'step': the steps' own peak "
+             "above 'built' (the high-water mark is reset after the build).",
+             "", "| backend | allocator | model | batch | configuration | vanilla built "
+             "| observe built | vanilla peak | observe peak | × vanilla | vanilla step "
+             "| observe step | × step | routine calls |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results:
+        backend = row.get("backend", "torch")
         plain = row["vanilla"]
-        plain_step = plain["peak_kib"] - plain["built_kib"]
-        for config in CONFIGS[row.get("backend", "torch")][1:]:
+        for config in CONFIGS[backend][1:]:
             seen = row[config]
-            seen_step = seen["peak_kib"] - seen["built_kib"]
             lines.append(
-                f"| {row.get('backend', 'torch')} | {row['allocator']} | {row['model']} "
-                f"| {row['batch']} | {config} | {plain['peak_kib'] / 1024:.0f} "
-                f"| {seen['peak_kib'] / 1024:.0f} | {seen['peak_kib'] / plain['peak_kib']:.3f} "
-                f"| {plain_step / 1024:.0f} | {seen_step / 1024:.0f} "
-                f"| {seen_step / max(plain_step, 1):.3f} | {seen['routine_calls']:,} |")
+                f"| {backend} | {row['allocator']} | {row['model']} | {row['batch']} "
+                f"| {LABELS.get((backend, config), config)} | {plain['built_kib'] / 1024:.0f} | {seen['built_kib'] / 1024:.0f} "
+                f"| {plain['peak_kib'] / 1024:.0f} | {seen['peak_kib'] / 1024:.0f} "
+                f"| {seen['peak_kib'] / plain['peak_kib']:.3f} "
+                f"| {_step_kib(plain) / 1024:.0f} | {_step_kib(seen) / 1024:.0f} "
+                f"| {_step_kib(seen) / max(_step_kib(plain), 1):.3f} "
+                f"| {seen['routine_calls']:,} |")
     lines += ["", harness.machine_markdown(machine)]
     return "\n".join(lines) + "\n"
 
@@ -356,6 +369,11 @@ if __name__ == "__main__":
         print(json.dumps(one(model, int(batch), config, backend)))
     elif sys.argv[1:2] == ["--export"]:
         export_onnx(sys.argv[2])
+    elif sys.argv[1:2] == ["--render"]:
+        # re-render a results file (e.g. after a change of the table)
+        with open(sys.argv[2]) as source:
+            raw = json.load(source)
+        print(render(raw["results"], raw["machine"]), end="")
     else:
         markdown, raw = run()
         print(markdown)
