@@ -1,0 +1,161 @@
+"""PyTorch eager driver: backward ops.
+
+The autograd nodes a forward op creates are found by walking from its
+outputs down to nodes older than the op (``_walk_new_nodes``); node pre/post
+hooks are installed on those where something must run
+(``_install_backward``), and run the backward points (``_backward_pre``,
+``_backward_post``). Part of :mod:`amanda.runtime.pytorch`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from amanda import controls
+from amanda.context import OpContext
+from amanda.errors import ToolError
+from amanda.runtime.pytorch_records import BackwardOp, _is_straight_through
+from amanda.runtime.pytorch_routines import _analyse, _apply_actions, _invoke, _meta
+from amanda.runtime.pytorch_sites import _ACCUMULATE, NAMESPACE
+from amanda.runtime.routines import check_replacements, select
+from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
+
+
+# -- backward ops -----------------------------------------------------------------
+
+def _walk_new_nodes(outputs, mark, owner):
+    """Autograd nodes created since sequence number ``mark``, reachable from
+    the outputs, in breadth-first order.
+
+    Gradient accumulators carry no creation order and outlive a step while
+    an old graph is referenced; one belongs to the first op (``owner``: session
+    token and op id) that reaches it, and is found again by that op only.
+    """
+    queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    found, seen, i = [], set(), 0
+    while i < len(queue):
+        node = queue[i]
+        i += 1
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        seq = node._sequence_nr()
+        if seq == _ACCUMULATE:
+            if getattr(node.variable, "_amanda_machinery", False):
+                continue
+            metadata = node.metadata
+            claim = metadata.get("amanda")
+            if claim is None or claim[0] != owner[0]:
+                metadata["amanda"] = owner
+                found.append(node)
+            elif claim == owner:
+                found.append(node)
+            continue
+        if seq < mark and not _is_straight_through(node):
+            continue
+        if not _is_straight_through(node):
+            found.append(node)
+        queue.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
+def _install_backward(session, record, nodes, inputs):
+    for node, brec in zip(nodes, record.backward_records(nodes, inputs)):
+        pending = brec.waiting()
+        if not pending and not (brec.before or brec.after or brec.replace):
+            continue
+        if node._sequence_nr() == _ACCUMULATE:
+            # Hooks reach their record through a holder: an accumulator kept
+            # alive by an old graph is found again, and must not be hooked twice.
+            metadata = node.metadata
+            hooks = metadata.get("amanda_hooks")
+            if hooks is None or hooks.session is not session:
+                hooks = metadata["amanda_hooks"] = _NodeHooks(session)
+        else:
+            hooks = _NodeHooks(session)   # a node created by this very execution
+        hooks.brec = brec
+        if not hooks.pre and (not brec.pre_done or brec.before):
+            node.register_prehook(functools.partial(_backward_pre, hooks))
+            hooks.pre = True
+        # A pending pre-analysis may record "after" actions for this very run.
+        if not hooks.post and (not brec.pre_done or not brec.post_done or brec.after
+                               or brec.replace):
+            node.register_hook(functools.partial(_backward_post, hooks))
+            hooks.post = True
+
+
+class _NodeHooks:
+    """What a node's hooks act on; replaced when an old node is found again."""
+
+    __slots__ = ("session", "brec", "pre", "post")
+
+    def __init__(self, session):
+        self.session = session
+        self.brec = None
+        self.pre = self.post = False
+
+
+def _backward_context(brec):
+    if brec.context is None:
+        parent = brec.parent
+        brec.context = OpContext(NAMESPACE, parent.func, parent.op_id, parent.name,
+                                 backward_op=BackwardOp(brec.name, brec.index),
+                                 backward_op_id=brec.op_id, module_path=parent.module_path,
+                                 parent=parent.context)
+    return brec.context
+
+
+def _where(brec):
+    return (brec.name, brec.op_id, NAMESPACE)
+
+
+def _backward_pre(hooks, grad_outputs):
+    session, brec = hooks.session, hooks.brec
+    if not session.active or controls.state.disabled:
+        return None
+    if not brec.pre_done:
+        context = _backward_context(brec)
+        context._set_values(grad_outputs=grad_outputs)
+        try:
+            _analyse(session, BACKWARD_BEFORE, context, brec)
+        finally:
+            context._set_values(grad_outputs=None)
+        brec.pre_done = True
+        brec.parent.refresh()
+    if brec.before:
+        values = list(grad_outputs)
+        if _apply_actions(brec.before, values, _where(brec)):
+            return tuple(values)
+    return None
+
+
+def _backward_post(hooks, grad_inputs, grad_outputs):
+    session, brec = hooks.session, hooks.brec
+    if not session.active or controls.state.disabled:
+        return None
+    if not brec.post_done:
+        context = _backward_context(brec)
+        context._set_values(grad_outputs=grad_outputs, grad_inputs=grad_inputs)
+        try:
+            _analyse(session, BACKWARD_AFTER, context, brec)
+        finally:
+            context._set_values(grad_outputs=None, grad_inputs=None)
+        brec.post_done = True
+        brec.parent.refresh()
+    values, changed = list(grad_inputs), False
+    if brec.replace:
+        action = brec.replace[0]
+        where = _where(brec)
+        new = _invoke(action, select(list(grad_outputs), action.positions, action, where),
+                      where, meta=None)
+        if new is not None:
+            if len(new) != len(values):
+                raise ToolError(f"replace_backward_op routine returned {len(new)} gradients; "
+                                f"the backward op produces {len(values)}", tool=action.tool,
+                                routine=action.func, op_name=brec.name, op_id=brec.op_id,
+                                namespace=NAMESPACE)
+            check_replacements(action, values, new, _meta, where)
+            values, changed = new, True
+    if brec.after and _apply_actions(brec.after, values, _where(brec)):
+        changed = True
+    return tuple(values) if changed else None

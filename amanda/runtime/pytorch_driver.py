@@ -1,0 +1,241 @@
+"""PyTorch eager driver: ``DRIVER`` and what it installs while applied.
+
+``TorchEagerDriver`` pushes the mode per thread and adds the two global
+module hooks (``_module_pre_hook``/``_module_post_hook``: the stack of
+modules being called, steps, checkpointed segments) at the outermost
+``apply`` scope, and removes them when it exits; meanwhile autograd's engine
+entry runs backward passes under the thread's mode, and ``torch.compile``'d
+code runs instrumented (:mod:`amanda.runtime.pytorch_compiled`) or eagerly.
+Part of :mod:`amanda.runtime.pytorch`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import torch
+from torch.nn.modules import module as _torch_module
+
+from amanda.runtime import pytorch_records as _records
+from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
+from amanda.runtime.pytorch_records import _Cache, _StraightThrough
+from amanda.runtime.pytorch_routines import _grad_enabled
+from amanda.runtime.pytorch_segments import (
+    _FORWARD, _RECOMPUTE, _checkpoint_role, _in_backward, _state, _tls)
+from amanda.runtime.pytorch_sites import _CONTROLS, _getframe
+
+
+def _module_pre_hook(module, args):
+    """Global forward pre-hook while amanda is applied: keeps the stack of
+    modules being called. (Wrapping ``nn.Module.__call__`` would be cheaper
+    per call, but assigning a class attribute of ``nn.Module`` invalidates the
+    type caches of every subclass, which costs ~0.5 ms per apply scope.)
+
+    Module calls inside ``amanda.disabled()`` are not tracked: the code after
+    the block sees the same modules, steps and counts as if it had not run."""
+    st = getattr(_tls, "state", None)
+    if st is None or not st.depth:
+        return
+    if _CONTROLS.disabled:
+        if _in_backward() == -1 and _grad_enabled():
+            role, token = _checkpoint_role(_getframe(1))
+            if role is _FORWARD:
+                st.checkpointed(module, args, token, None)   # its recomputation stays muted
+        return
+    if _COMPILE["prior"] is None and type(module).__name__ == "OptimizedModule":
+        with DRIVER._lock:
+            _compile_eagerly()     # compiled after apply was entered
+    modules = st.modules
+    role, token = _checkpoint_role(_getframe(1))
+    if _in_backward() != -1:
+        if role is _FORWARD:
+            st.checkpointed(module, args, token, st.cache)  # a first run in a recomputation
+        elif role is _RECOMPUTE or not modules:
+            st.recompute(module, args, role is _RECOMPUTE, token)
+    else:
+        if st.recomputing:
+            st.end_recompute()
+        if not modules:
+            st.new_step()                  # a root module call starts a step
+        else:
+            st.parents[id(module)] = modules[:]
+        if role is not None:
+            st.checkpointed(module, args, token, st.cache)
+    modules.append(weakref.ref(module))
+
+
+def _module_post_hook(module, args, output):
+    st = getattr(_tls, "state", None)
+    if st is None or not st.depth:
+        return
+    modules = st.modules
+    if modules and modules[-1]() is module:
+        modules.pop()
+        if st.recomputing and len(modules) == st.base:
+            st.end_segment()         # the stack stays: see _ThreadState.recompute
+
+
+# -- the driver ----------------------------------------------------------------------
+
+class TorchEagerDriver:
+    """Activates the mode and the module hooks per thread for ``apply``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handles = []
+
+    def enter(self, session):
+        # the class is set where the autograd walk reads it (once, for all threads)
+        if _records._STRAIGHT_THROUGH_NODE is None:
+            _records._STRAIGHT_THROUGH_NODE = _StraightThrough._backward_cls
+        st = _state()
+        cache = session.caches.get("pytorch")
+        if cache is None:
+            cache = session.caches["pytorch"] = _Cache(session)
+        st.depth += 1
+        if st.depth == 1:
+            st.reset(cache)
+            self._add_hooks()
+            st.mode = _Mode(st)
+            try:
+                st.mode.__enter__()
+            except BaseException:
+                self._remove_hooks()
+                st.depth -= 1
+                raise
+        else:
+            st.cache = cache
+
+    def exit(self, session, restored):
+        st = _state()
+        cache = session.caches.get("pytorch")
+        try:
+            if cache is not None and cache.trace is not None:
+                cache.trace.finish()  # a scope's end ends the traced step (tools may raise)
+        finally:
+            self._leave(st, restored)
+
+    def _leave(self, st, restored):
+        """Pop one scope: at the outermost, remove the mode and hooks."""
+        st.depth -= 1
+        if st.depth == 0:
+            mode = st.mode
+            st.reset(None)
+            st.mode = None
+            try:
+                mode.__exit__(None, None, None)
+            finally:
+                self._remove_hooks()
+        else:
+            st.cache = restored.caches["pytorch"]
+
+    def _add_hooks(self):
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._handles = [
+                    _torch_module.register_module_forward_pre_hook(_module_pre_hook),
+                    _torch_module.register_module_forward_hook(_module_post_hook,
+                                                               always_call=True),
+                ]
+                _patch_engine()
+                if "torch._dynamo" in sys.modules:
+                    _compile_eagerly()
+
+    def _remove_hooks(self):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+                _restore_engine()
+                _restore_compile()
+
+
+# -- the backward pass ------------------------------------------------------------
+
+# torch pops the mode while its handler runs a call, and ``backward()`` is
+# such a call: without help, the Python code autograd runs during backward
+# (activation checkpointing's recomputation, Python autograd functions, tensor
+# hooks) would run with no mode. While amanda is applied, the engine entry
+# that ``torch.autograd.backward``/``grad`` call pushes the thread's mode back
+# for the duration of the pass.
+_ENGINE = {"original": None}
+_function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def _run_backward_seen(*args, **kwargs):
+    st = getattr(_tls, "state", None)
+    mode = st.mode if st is not None and st.depth else None
+    if mode is None or _CONTROLS.disabled or any(
+            m is mode for m in _function_mode_stack()):
+        return _ENGINE["original"](*args, **kwargs)
+    with mode:
+        return _ENGINE["original"](*args, **kwargs)
+
+
+def _patch_engine():
+    import torch.autograd as autograd
+    _ENGINE["original"] = autograd._engine_run_backward
+    autograd._engine_run_backward = _run_backward_seen
+
+
+def _restore_engine():
+    import torch.autograd as autograd
+    if _ENGINE["original"] is not None:
+        autograd._engine_run_backward = _ENGINE["original"]
+        _ENGINE["original"] = None
+
+
+# -- torch.compile ----------------------------------------------------------------
+
+# While amanda is applied, compiled callables run instrumented compiled graphs
+# (amanda.runtime.pytorch_compiled: Dynamo's callback is chosen per call and
+# session), or, for what that path cannot do, their Python code eagerly, so
+# every op is seen (Dynamo would otherwise trace the mode's handler or run
+# graphs in which no op is an instrumentation point). With
+# pytorch_compiled.ENABLED false, Dynamo's stance is force_eager for every
+# call, as before; that stance is process-wide: another thread's compiled
+# code runs eagerly meanwhile too (the compiled path does the same).
+_COMPILE = {"prior": None}
+_COMPILED_PATH = "compiled path"   # _COMPILE["prior"] while the compiled path is installed
+
+
+def _compile_eagerly():
+    if _COMPILE["prior"] is not None:
+        return
+    from torch._dynamo import eval_frame
+
+    from amanda.runtime import pytorch_compiled
+    WRAPPER_MODULES.add(eval_frame.OptimizedModule)
+    if pytorch_compiled.ENABLED:
+        pytorch_compiled.install()
+        _COMPILE["prior"] = _COMPILED_PATH
+    else:
+        _COMPILE["prior"] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+
+
+def _restore_compile():
+    prior = _COMPILE["prior"]
+    if prior is _COMPILED_PATH:
+        from amanda.runtime import pytorch_compiled
+        pytorch_compiled.uninstall()
+        _COMPILE["prior"] = None
+    elif prior is not None:
+        from torch._dynamo import eval_frame
+        eval_frame._set_stance(prior)
+        _COMPILE["prior"] = None
+
+
+DRIVER = TorchEagerDriver()
+
+
+def evaluate(tensors):
+    """NumPy copies of PyTorch tensors (``amanda.evaluate``)."""
+    if isinstance(tensors, (list, tuple)):
+        return [t.detach().cpu().numpy() for t in tensors]
+    return tensors.detach().cpu().numpy()

@@ -1,0 +1,180 @@
+"""PyTorch eager driver: running the tools' routines on an op's tensors.
+
+Analysis (``_analyse``), actions before/after an op (``_apply_actions``,
+``_invoke``: autodiff isolation, mute, the export guard) and ``replace_op``
+routines with the check of what they return against the op's output
+structure (``_output_spec``, ``_check_replacement``). Part of
+:mod:`amanda.runtime.pytorch`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from amanda import controls
+from amanda.context import take_actions
+from amanda.errors import ToolError
+from amanda.runtime.pytorch_records import _is_tensor, _StraightThrough
+from amanda.runtime.pytorch_sites import _Tensor
+from amanda.runtime.routines import call_routine, select
+
+
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+class _Exporting(threading.local):
+    """Set by ``amanda.export`` in the thread that traces a model for export:
+    ``guard(action, selected, where)`` is a context manager wrapped around each
+    routine call; it refuses routines that an exported graph cannot hold."""
+
+    guard = None
+
+
+EXPORTING = _Exporting()
+
+
+def _meta(tensor):
+    return (tensor.shape, tensor.dtype) if isinstance(tensor, _Tensor) else None
+
+
+def _invoke(action, selected, where, meta=_meta):
+    """Run a routine with autodiff isolation unless it opted in. Amanda is
+    disabled meanwhile: a routine's own torch calls are not instrumented
+    (inside the mode's handler torch has popped the mode already; the flag
+    covers backward hooks)."""
+    switch = not action.ad and _grad_enabled()
+    if switch:
+        _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
+    try:
+        with controls.muted():
+            guard = EXPORTING.guard
+            if guard is not None:
+                with guard(action, selected, where):
+                    return call_routine(action, selected, _is_tensor, where, meta)
+            return call_routine(action, selected, _is_tensor, where, meta)
+    finally:
+        if switch:
+            _set_grad_enabled(True)
+
+
+def _apply_actions(actions, values, where):
+    """Run ``actions`` in order over ``values`` (a list, updated in place).
+    Returns whether any value was replaced."""
+    changed = False
+    for action in actions:
+        positions = action.positions
+        selected = values if positions is None else select(values, positions, action, where)
+        result = _invoke(action, selected, where)
+        if result is None:
+            continue
+        for pos, new in zip(positions if positions is not None else range(len(values)), result):
+            old = values[pos]
+            if new is None or new is old:
+                continue
+            if not action.ad and isinstance(old, _Tensor) and old.requires_grad \
+                    and _grad_enabled():
+                new = _StraightThrough.apply(old, [new.detach()])
+            values[pos] = new
+            changed = True
+    return changed
+
+
+def _analyse(session, point, context, record):
+    with controls.muted():
+        session.analyse(point, context)
+    take_actions(context, record)
+
+
+def _output_spec(func, args, kwargs):
+    """The structure of what ``func`` returns (a tensor, or a sequence with
+    tensor metadata or None per item), found by running it on meta tensors:
+    no data is read or written. None when the op cannot run on meta tensors
+    (data-dependent shapes, ops without meta kernels)."""
+    def to_meta(value):
+        if isinstance(value, _Tensor):
+            return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                       device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_meta(v) for v in value)
+        return value
+    try:
+        with torch.device("meta"):
+            result = func(*[to_meta(a) for a in args],
+                          **{k: to_meta(v) for k, v in kwargs.items()})
+    except Exception:
+        return None
+    if isinstance(result, _Tensor):
+        return (result.shape, result.dtype)
+    if isinstance(result, (list, tuple)):
+        return [(r.shape, r.dtype) if isinstance(r, _Tensor) else None for r in result]
+    return None
+
+
+def _check_replacement(action, result, spec, where):
+    """What a ``replace_op`` routine returned, checked against the op it
+    replaces: a tensor for a one-output op, a sequence of as many tensors for
+    a multi-output op, each with the shape and dtype the op would give."""
+    def fail(message):
+        op_name, op_id, namespace = where
+        return ToolError(f"replace_op routine {message}", tool=action.tool,
+                         routine=action.func, op_name=op_name, op_id=op_id,
+                         namespace=namespace)
+    if isinstance(spec, tuple):               # one output
+        if not isinstance(result, _Tensor):
+            raise fail(f"returned {_describe_value(result)}; the op returns one tensor "
+                       "(return a tensor, not a sequence)")
+        got, want = (result.shape, result.dtype), spec
+        if not _tracing() and got != want:
+            raise fail(f"returned a tensor of shape {list(got[0])} and dtype {got[1]}; "
+                       f"the op returns shape {list(want[0])} and dtype {want[1]}")
+        return result
+    if isinstance(result, _Tensor):
+        if spec is None:
+            return result
+        raise fail(f"returned one tensor; the op returns {len(spec)} values")
+    if not isinstance(result, (list, tuple)) or not all(
+            isinstance(r, _Tensor) or r is None for r in result):
+        raise fail(f"returned {_describe_value(result)}; expected a tensor or a sequence "
+                   "of tensors")
+    if spec is not None:
+        if len(result) != len(spec):
+            raise fail(f"returned {len(result)} values; the op returns {len(spec)}")
+        for i, (r, want) in enumerate(zip(result, spec)):
+            got = (r.shape, r.dtype) if isinstance(r, _Tensor) else None
+            if got != want:
+                raise fail(f"returned {got} at position {i}; the op returns {want} there")
+    return result
+
+
+_tracing = torch._C._get_tracing_state   # torch.jit.trace (amanda.export): sizes are traced
+
+
+def _describe_value(value):
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else type(value).__name__
+
+
+def _replace(action, selected, where):
+    guard = EXPORTING.guard
+    if guard is not None:
+        with guard(action, selected, where):
+            return _run_replacement(action, selected, where)
+    return _run_replacement(action, selected, where)
+
+
+def _run_replacement(action, selected, where):
+    try:
+        with controls.muted():
+            if action.ad:
+                return action.func(*selected, **action.kwargs)
+            with torch.no_grad():
+                return action.func(*selected, **action.kwargs)
+    except Exception as exc:
+        op_name, op_id, namespace = where
+        raise ToolError(f"replace_op routine raised {type(exc).__name__}: {exc}",
+                        tool=action.tool, routine=action.func, op_name=op_name,
+                        op_id=op_id, namespace=namespace) from exc

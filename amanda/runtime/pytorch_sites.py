@@ -1,0 +1,112 @@
+"""PyTorch eager driver: what a torch call is and where it comes from.
+
+Which calls are instrumentation points (``_classify``: queries such as
+``size`` and most property reads are not), and the frame that identifies an
+op (``_calling_site``: the first frame outside torch's internals and amanda's
+runtime, never above the module call that runs it). Also the constants the
+other ``pytorch_*`` modules of the eager driver share (``NAMESPACE``, the
+controls, autograd's sequence numbers). Part of :mod:`amanda.runtime.pytorch`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from amanda import controls
+
+
+NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/eager"
+_CONTROLS = controls.state
+_getframe = sys._getframe
+
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_ACCUMULATE = 2 ** 64 - 1  # AccumulateGrad nodes carry the largest sequence number
+_Tensor = torch.Tensor
+
+# Calls that compute no tensor are not instrumentation points.
+_QUERIES = frozenset("""
+size dim numel stride storage_offset is_contiguous element_size nelement ndimension
+data_ptr is_floating_point is_complex is_signed get_device is_nonzero equal item tolist
+numpy __array__ __array_wrap__ __len__ __bool__ __int__ __float__ __index__ __complex__
+__repr__ __str__ __format__ __hash__ __reduce_ex__ __setstate__ __getstate__ __deepcopy__
+__iter__ __contains__ __dlpack__ __dlpack_device__ backward register_hook
+register_post_accumulate_grad_hook retain_grad requires_grad_ untyped_storage storage
+_typed_storage is_shared is_pinned is_set_to has_names is_inference dim_order __set__
+__delete__ _is_view is_same_size __torch_function__ __get__
+""".split())
+# Tensor properties that do compute a tensor (views), unlike .shape or .grad.
+_TENSOR_PROPERTIES = frozenset("T mT H mH real imag".split())
+
+_NOT_A_POINT = None
+# func -> op name, or _NOT_A_POINT. Running the backward pass is not a forward
+# op: its nodes are the backward ops.
+_FUNCS = {torch.autograd.grad: _NOT_A_POINT, torch.autograd.backward: _NOT_A_POINT}
+
+
+def _classify(func):
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a property read: x.shape, x.T, x.grad ...
+        attr = getattr(getattr(func, "__self__", None), "__name__", None)
+        name = attr if attr in _TENSOR_PROPERTIES else _NOT_A_POINT
+    elif name in _QUERIES:
+        name = _NOT_A_POINT
+    _FUNCS[func] = name
+    return name
+
+
+# What a frame's code is to the op it calls, keyed by id(code) (hashing a
+# code object rehashes its constants on every call, which is slow for large
+# functions; the codes are kept alive in _SEEN_CODE so their ids stay valid):
+_SITE = 1        # the op's calling site: user code, models, tools, torch.nn layers
+_LIBRARY = 2     # torch internals and amanda's runtime: the site is further up
+_MACHINERY = 3   # torch mechanisms (activation checkpointing) whose calls are not ops
+_BOUNDARY = 4    # nn.Module's call machinery: the site never lies above it
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+# torch's own layers (nn.Conv2d.forward...) are sites, so an op inside a torch
+# layer is identified from within it, never by the line that called the model.
+_LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
+_MACHINERY_FILES = (os.path.join(_TORCH_DIR, "utils", "checkpoint.py"),)
+_CODE_KIND = {}
+_SEEN_CODE = []
+
+
+def _code_kind(code):
+    kind = _CODE_KIND.get(id(code))
+    if kind is None:
+        _SEEN_CODE.append(code)
+        path = code.co_filename
+        if path == _MODULE_FILE:
+            kind = _BOUNDARY if code.co_name in ("_call_impl", "_wrapped_call_impl") \
+                else _LIBRARY
+        elif path in _MACHINERY_FILES:
+            kind = _MACHINERY
+        elif path.startswith(_LAYER_DIR):
+            kind = _SITE
+        else:
+            kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _SITE
+        _CODE_KIND[id(code)] = kind
+    return kind
+
+
+def _calling_site(frame):
+    """The frame that identifies an op called from ``frame``: the first one
+    outside torch's internals and amanda's runtime, but never above the
+    module call that runs it. None when torch's checkpointing machinery made
+    the call (not an op of the model)."""
+    kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
+    while kind is not _SITE and kind is not _BOUNDARY:
+        if kind is _MACHINERY:
+            return None
+        back = frame.f_back
+        if back is None:
+            break
+        back_kind = _CODE_KIND.get(id(back.f_code)) or _code_kind(back.f_code)
+        if back_kind is _BOUNDARY:
+            break        # a hook or helper called by Module.__call__: the site is here
+        frame, kind = back, back_kind
+    return frame
