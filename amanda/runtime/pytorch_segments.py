@@ -15,8 +15,9 @@ import weakref
 
 import torch
 
+from amanda import controls
 from amanda.runtime.pytorch_sites import (
-    _BOUNDARY, _CODE_KIND, _CONTROLS, _MACHINERY, _MODULE_FILE, _Tensor, _code_kind)
+    _BOUNDARY, _CODE_KIND, _MACHINERY, _MODULE_FILE, _Tensor, _code_kind)
 
 
 # -- per-thread state ----------------------------------------------------------
@@ -53,7 +54,7 @@ class _ThreadState:
         self.base = 0           # depth of the borrowed stack while recomputing
         self.recomputing = False
         self.saved = None       # the step's counts, while recomputing
-        self.muted = None       # disabled flag to restore after a muted recomputation
+        self.muted = None       # the controls.muted() of a muted recomputation, until it ends
         self.segment_cache = None   # the scope's cache, while a segment runs under another
 
     def new_step(self):
@@ -96,7 +97,8 @@ class _ThreadState:
             # it ran inside disabled(), before apply, in an apply scope that
             # has ended (or is not a checkpointed segment amanda saw), so its
             # recomputation is not instrumented either.
-            self.muted, _CONTROLS.disabled = _CONTROLS.disabled, True
+            self.muted = controls.muted()
+            self.muted.__enter__()   # ended by end_segment, in the module's post hook
         elif cache is not self.cache:
             # recomputed under the tools that ran it, not those of today's scope
             self.segment_cache, self.cache = self.cache, cache
@@ -146,7 +148,8 @@ class _ThreadState:
     def end_segment(self):
         """A recomputed segment's module returned: its mute and tools end."""
         if self.muted is not None:
-            _CONTROLS.disabled, self.muted = self.muted, None
+            self.muted, muted = None, self.muted
+            muted.__exit__(None, None, None)
         if self.segment_cache is not None:
             self.cache, self.segment_cache = self.segment_cache, None
 
