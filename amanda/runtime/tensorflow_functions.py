@@ -1,0 +1,54 @@
+"""TensorFlow graph mode: ``tf.function`` calls run an instrumented copy of
+the concrete function's graph (`_FunctionCopy`, `_patched_call_flat`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from amanda import controls
+from amanda.runtime.tensorflow_hosting import _surface
+from amanda.runtime.tensorflow_probes import _FunctionProbe, _original_call_flat, _tls
+from amanda.runtime.tensorflow_rewrite import _GraphRewrite
+from amanda.runtime.tensorflow_shadow import _EXACTNESS_REWRITES, _cached_per_session
+
+
+def _function_rewrites():
+    """The same for functions, from ``tf.config.optimizer``'s options."""
+    options = tf.config.optimizer.get_experimental_options()
+    if options.get("disable_meta_optimizer"):
+        return dict.fromkeys(_EXACTNESS_REWRITES, False)
+    return {name: options.get(name, True) for name in _EXACTNESS_REWRITES}
+
+
+class _FunctionCopy:
+    """An instrumented copy of a concrete function's graph, callable with the
+    same flat inputs (captured variables are fed by handle: same state)."""
+
+    def __init__(self, function, session):
+        self.function = function
+        self.wrapped = tf.compat.v1.wrap_function(lambda: None, [])
+        self.rewrite = _GraphRewrite(function.graph, session, self.wrapped.graph,
+                                     _function_rewrites)
+        self.pruned = None
+
+    def call(self, flat_inputs):
+        probe = _FunctionProbe(self.function.graph, flat_inputs)
+        if self.rewrite.refresh(probe) or self.pruned is None:
+            graph = self.function.graph
+            feeds = [self.rewrite.copy.get_tensor_by_name(t.name) for t in graph.inputs]
+            fetches = [self.rewrite.tensor(t.name) for t in graph.outputs]
+            self.pruned = self.wrapped.prune(feeds, fetches)
+            self.pruned._amanda_copy = True
+        with _surface():
+            return self.pruned(*flat_inputs)
+
+
+def _patched_call_flat(self, tensor_inputs, captured_inputs):
+    sessions = controls.state.sessions
+    if (not sessions or controls.state.disabled or getattr(_tls, "live", None) is None
+            or getattr(self, "_amanda_copy", False) or not tf.executing_eagerly()):
+        return _original_call_flat(self, tensor_inputs, captured_inputs)
+    copy = _cached_per_session(sessions[-1], "tensorflow_functions", self, _FunctionCopy)
+    flat = copy.call(list(tensor_inputs) + list(captured_inputs))
+    return self.function_type.pack_output(flat)

@@ -1,0 +1,262 @@
+"""TensorFlow graph mode: instrumentation routines as ``tf.numpy_function``
+callbacks (`_observer`, `_replacer`), their errors carried across
+TensorFlow's threads (`_hosting`, `_surface`), and `_chosen`/`_shaped`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from amanda import controls
+from amanda.errors import AmandaError, ToolError
+from amanda.runtime.routines import call_routine, check_replacements
+
+
+# -- routines as callbacks ----------------------------------------------------------
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _crosses_to_python(dtype):
+    """Whether tensors of ``dtype`` can be handed to a Python routine.
+
+    Not handles (resource, variant), strings, nor references to v1
+    variables (``float32_ref``: the op reading one may assign to it, which a
+    copy made in Python would silently break).
+    """
+    return not dtype._is_ref_dtype and dtype not in (tf.resource, tf.variant, tf.string)
+
+
+def _read_only(array):
+    """A view the routine cannot write through: the array may share memory
+    with a TensorFlow buffer (a variable's, even), which an in-place update
+    would silently change for every other reader."""
+    if isinstance(array, np.ndarray) and array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+def _meta(array):
+    return tuple(array.shape), array.dtype
+
+
+def _tool_error(action, where, message):
+    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
+                     routine=action.func, op_name=where[0], op_id=where[1], namespace=where[2])
+
+
+# A routine's error is raised on one of TensorFlow's threads and comes back as
+# an UnknownError carrying only its text; the error itself waits here, under a
+# token named in that text, until Session.run or the function call re-raises it.
+_failures = {}
+_failures_lock = threading.Lock()
+_failure_tokens = itertools.count()
+_FAILURE_MARK = "amanda-routine-failure-"
+
+
+class _RoutineFailed(Exception):
+    """What a hosted callback raises into TensorFlow (see `_surface`)."""
+
+
+def _failed(error):
+    with _failures_lock:
+        while len(_failures) >= 256:   # failures nobody re-raised (e.g. a GraphDef run by hand)
+            _failures.pop(next(iter(_failures)))
+        token = next(_failure_tokens)
+        _failures[token] = error
+    return _RoutineFailed(f"{_FAILURE_MARK}{token}: {error}")
+
+
+@contextlib.contextmanager
+def _surface():
+    """Turn the TensorFlow error that a failing hosted routine caused back
+    into the amanda error it raised (with the routine's exception as its
+    ``__cause__``); other TensorFlow errors pass unchanged."""
+    try:
+        yield
+    except tf.errors.OpError as exc:
+        match = _FAILURE_RE.search(exc.message or "")
+        if match is None:
+            raise
+        with _failures_lock:
+            error = _failures.pop(int(match.group(1)), None)
+        if error is None:
+            raise
+        cause = error.__cause__
+        if cause is None:
+            raise error from exc
+        _keep_cause(error, cause)
+        raise error from cause
+
+
+class _CauseKept:
+    """Keeps an error's ``__cause__`` readable after ``tf.function``'s
+    traceback filter re-raises it ``from None`` (which clears it)."""
+
+    @property
+    def __cause__(self):
+        cause = BaseException.__cause__.__get__(self)
+        return cause if cause is not None else self._amanda_cause
+
+    @__cause__.setter
+    def __cause__(self, value):
+        BaseException.__cause__.__set__(self, value)
+
+
+_cause_kept_types = {}
+
+
+def _keep_cause(error, cause):
+    kind = type(error)
+    if not issubclass(kind, _CauseKept):
+        kept = _cause_kept_types.get(kind)
+        if kept is None:
+            kept = _cause_kept_types[kind] = type(kind.__name__, (_CauseKept, kind),
+                                                  {"__module__": kind.__module__})
+        error.__class__ = kept
+    error._amanda_cause = cause
+
+
+_FAILURE_RE = re.compile(_FAILURE_MARK + r"(\d+)")
+
+
+def _hosting(action, where, run):
+    """Run ``run`` as a callback: every error becomes an amanda error that
+    `_surface` re-raises in the caller's thread."""
+
+    def callback(*arrays):
+        try:
+            with controls.muted():   # TF may call it in the user's thread: a routine's own runs stay plain
+                return run(*arrays)
+        except AmandaError as exc:
+            raise _failed(exc) from None
+        except Exception as exc:   # amanda's own bug: still name the routine
+            error = _tool_error(action, where, f"failed in amanda: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            raise _failed(error) from None
+
+    return callback
+
+
+def _chosen(original, new, flag):
+    """``new`` where ``flag`` is True, else ``original`` itself.
+
+    Switch and Merge forward one of the two tensors without touching their
+    data: the cheapest way to let the original tensor flow on when the
+    routine returned None.
+    """
+    kept, _ = tf.raw_ops.Switch(data=original, pred=flag)
+    _, replaced = tf.raw_ops.Switch(data=new, pred=flag)
+    chosen = tf.raw_ops.Merge(inputs=[kept, replaced]).output
+    return _shaped(chosen, original.shape)
+
+
+def _shaped(tensor, shape):
+    """``tensor``, its static ``shape`` stated in the graph itself.
+
+    ``set_shape`` informs Python only: Grappler infers shapes from the
+    GraphDef, where a PyFunc's outputs (and a Merge reading one) have none.
+    Without them it cannot fold shape computations or rewrite sums as it does
+    in the plain graph (MobileNetV2's gradients came out summed in another
+    order), so even an observing routine changed the numbers. EnsureShape
+    gives Grappler the shape, at the cost of a check when the graph runs.
+    """
+    tensor.set_shape(shape)
+    if shape.rank is None:
+        return tensor
+    return tf.ensure_shape(tensor, shape)
+
+
+def _observer(action, where, count, hosted, dtypes):
+    """The callback of a before/after routine.
+
+    It receives the hosted tensors (read-only arrays; the others are None to
+    the routine) and returns one flag per hosted tensor, then one array per
+    hosted tensor: where the flag is False the graph lets the original
+    tensor flow on and the array (a 0-d placeholder) is never read, so an
+    observing routine feeds nothing of its own into the graph.
+    """
+    kept = [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
+
+    def run(*arrays):
+        values = [None] * count
+        for i, array in zip(hosted, arrays):
+            values[i] = _read_only(array)
+        result = call_routine(action, values, _is_array, where)
+        if not hosted:
+            if result is not None and any(r is not None for r in result):
+                raise _tool_error(action, where, "returned a replacement for a tensor that "
+                                  "cannot leave TensorFlow (a resource handle, variant, string "
+                                  "or variable reference)")
+            return [np.int32(0)]
+        if result is None:
+            return kept
+        for position, new in enumerate(result):
+            if new is not None and values[position] is None:
+                raise _tool_error(action, where, f"returned a replacement at selected position "
+                                  f"{position}, a tensor that cannot leave TensorFlow (a resource "
+                                  "handle, variant, string or variable reference)")
+        check_replacements(action, values, result, _meta, where)
+        flags, arrays_out = [], []
+        for i, placeholder in zip(hosted, kept[len(hosted):]):
+            new = result[i]
+            flags.append(np.bool_(new is not None))
+            # a copy: the routine may keep its array and change it later,
+            # while TensorFlow still reads it
+            arrays_out.append(placeholder if new is None else np.array(new, copy=True))
+        return flags + arrays_out
+
+    return _hosting(action, where, run)
+
+
+def _replacer(action, where, shapes, dtypes):
+    """The callback of a replace routine: the op's inputs in (read-only), one
+    array per output of the op out, each with that output's dtype and a
+    shape its static shape allows."""
+
+    def run(*arrays):
+        values = [_read_only(a) for a in arrays]
+        try:
+            result = action.func(*values, **action.kwargs)
+        except AmandaError:
+            raise
+        except Exception as exc:
+            raise _tool_error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+        if _is_array(result):
+            result = [result]
+        if not isinstance(result, (list, tuple)) or len(result) != len(dtypes):
+            raise _tool_error(action, where, f"must return {len(dtypes)} arrays, one per output "
+                              f"of the op; got {type(result).__name__}")
+        out = []
+        for position, (new, shape, dtype) in enumerate(zip(result, shapes, dtypes)):
+            if not _is_array(new) or new.dtype != dtype or not shape.is_compatible_with(new.shape):
+                got = (f"{type(new).__name__}" if not _is_array(new)
+                       else f"shape {list(new.shape)} and dtype {new.dtype}")
+                raise _tool_error(action, where, f"returned {got} for output {position}, which "
+                                  f"has shape {shape} and dtype {np.dtype(dtype)}; a routine must "
+                                  "keep the shape and dtype of the tensor it replaces")
+            out.append(np.array(new, copy=True))
+        return out
+
+    return _hosting(action, where, run)
+
+
+def _user_stacklevel():
+    """The ``stacklevel`` that makes a warning name the user's line (the
+    first caller outside amanda and TensorFlow)."""
+    import sys
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            os.path.dirname(os.path.abspath(tf.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
