@@ -8,11 +8,13 @@ functions they run, a body rebuilt as a graph of its own (`_prefixed_body`,
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import tensorflow as tf
 
-from amanda.errors import BackendError
+from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.ir import Graph
+from amanda.passes.lower_actions import ROUTINE
 
 
 # Ops of a function body that are its plumbing, not computation.
@@ -141,3 +143,37 @@ def _drop_outer_colocation(graph_def):
             node.attr["_class"].list.s.extend(kept)
         else:
             del node.attr["_class"]
+
+
+def _xla_compiled(node, fdef):
+    """Whether TF compiles the call with XLA (``jit_compile=True``): the call
+    op or its function carries ``_XlaMustCompile``."""
+    for attrs in (node.attr, fdef.attr):
+        value = attrs.get("_XlaMustCompile")
+        if value is not None and value.b:
+            return True
+    return False
+
+
+def _warn_xla_compiled(compiled):
+    """Say, once per rewrite, which ``(call op, function)`` bodies XLA
+    compiles and so were left as they are."""
+    if not compiled:
+        return
+    from amanda.runtime.tensorflow_hosting import _user_stacklevel
+    listed = ", ".join(f"{call!r} ({func})" for call, func in compiled[:3])
+    more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
+    warnings.warn(
+        f"amanda (TensorFlow): the ops of {len(compiled)} function bodies that XLA compiles "
+        "(jit_compile=True, e.g. Keras' depthwise convolutions) are not instrumented one by "
+        "one, as a Python routine cannot run inside an XLA cluster; their call ops are "
+        f"points: {listed}{more}. See docs/tensorflow.md, Limits.",
+        NotInstrumentedWarning, stacklevel=_user_stacklevel())
+
+
+def _origin(ir_tensor):
+    """Name of the user tensor behind a chain of routine ops (in a graph
+    or a body)."""
+    while ir_tensor.producer.type == ROUTINE:
+        ir_tensor = ir_tensor.producer.inputs[ir_tensor.index]
+    return f"{ir_tensor.producer.name}:{ir_tensor.index}"

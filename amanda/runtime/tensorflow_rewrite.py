@@ -14,7 +14,8 @@ from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE, lower_actions
 from amanda.runtime.routines import call_routine
 from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TWIN, _body_names,
-                                              _called_functions, _ops_in_bodies, _prefixed_body)
+                                              _called_functions, _ops_in_bodies, _prefixed_body,
+                                              _origin, _warn_xla_compiled, _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _observer, _replacer,
                                                _shaped, _tool_error, _user_stacklevel)
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _BodiesBackend, _probing
@@ -318,12 +319,16 @@ class _GraphRewrite:
         fdefs = {f.signature.name: f for f in library.function}
         functions = _Library(library)
         added = []
+        compiled = []   # (call op, function) run by XLA: Python routines cannot run inside
         for node in nodes:
             changed = False
             gradient_of = self._gradient_of(node.name)
             for label, func in _called_functions(node):
                 fdef = fdefs.get(func.name)
                 if fdef is None:
+                    continue
+                if _xla_compiled(node, fdef):
+                    compiled.append((node.name, func.name))
                     continue
                 try:
                     body = _BodyRewrite(node.name, label, fdef, functions, self.amanda_session,
@@ -345,6 +350,7 @@ class _GraphRewrite:
                     changed = True
             if changed:
                 node.op = _STATEFUL_TWIN.get(node.op, node.op)
+        _warn_xla_compiled(compiled)
         return added
 
     def _gradient_of(self, call_name):
@@ -588,10 +594,3 @@ class _GraphRewrite:
             new = made[ir_input.producer][ir_input.index]
             if tf_op.inputs[position] is not new:
                 tf_op._update_input(position, new)
-
-
-def _origin(ir_tensor):
-    """Name of the user tensor behind a chain of routine ops."""
-    while ir_tensor.producer.type == ROUTINE:
-        ir_tensor = ir_tensor.producer.inputs[ir_tensor.index]
-    return f"{ir_tensor.producer.name}:{ir_tensor.index}"

@@ -89,7 +89,7 @@ def test_observing_every_op_of_mobilenetv2_is_bit_exact_without_reassociation():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="Grappler's arithmetic optimizer reassociates chains of "
+@pytest.mark.xfail(strict=False, reason="(not strict: exact in some processes, e.g. CI once) Grappler's arithmetic optimizer reassociates chains of "
                    "Mul/Add in the plain function that a routine in the dataflow breaks up; "
                    "exact with arithmetic_optimization off (docs/tensorflow.md)")
 def test_observing_mobilenetv2_tf_function_is_bit_exact():
