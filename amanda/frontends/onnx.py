@@ -211,7 +211,11 @@ def _value_types(model):
         inferred = _inferred(onnx, model, True) or _inferred(onnx, model, False)
         if inferred is not None:
             for name, value in _collect_types(inferred.graph).items():
-                declared.setdefault(name, value)
+                if name not in declared:
+                    # a copy: a TypeProto of ``inferred`` would keep that whole
+                    # model (the weights included) alive with the IR
+                    declared[name] = onnx.TypeProto()
+                    declared[name].CopyFrom(value)
     return declared
 
 

@@ -26,6 +26,7 @@ from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_nam
 from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
                                       _register_callback)
 from amanda.runtime.onnx_lowering import _Lowering
+from amanda.runtime.onnx_wire import initializer_views
 
 
 class _NotSide(Exception):
@@ -53,7 +54,8 @@ class _SideBranches(_Lowering):
     Args:
         graph: the lowered IR graph (``amanda.routine`` ops in it).
         model: the user's ``ModelProto``.
-        optimized: the ``ModelProto`` onnxruntime wrote after optimising it.
+        optimized: the ``ModelProto`` onnxruntime wrote after optimising it;
+            it becomes the result (changed in place, not copied).
 
     Raises:
         _NotSide: (from `model`) a routine reads a tensor that cannot be
@@ -68,8 +70,7 @@ class _SideBranches(_Lowering):
         self._declared = set()
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
-        self.result = onnx.ModelProto()
-        self.result.CopyFrom(optimized)
+        self.result = optimized   # owned from here on: the caller does not keep it
         self.original = model
         proto = self.result.graph
         # onnxruntime drops initializers it folded but keeps their graph
@@ -88,7 +89,10 @@ class _SideBranches(_Lowering):
         self._attach(self.top, self.result.graph, self.original.graph)
         if self.fetch:
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
-            _drop_unread_initializers(self.result.graph, self.copied)
+            dropped = _drop_unread_initializers(self.result.graph, self.copied)
+            # not in the model the session runs: the plan keeps their values
+            self.plan.constants.update({n: _read_only(a) for n, a in dropped.items()
+                                        if n in self.plan.constants})
         # side-branch nodes were appended; onnxruntime wants nodes that
         # produce a value a body reads (a token) listed before the body's node
         _sort_nodes(self.result.graph)
@@ -258,16 +262,25 @@ class _FetchPlan:
         self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
         self.outputs = list(outputs)
         self.inputs = {i.name for i in proto.input}
-        self.constants = {}
         wanted = {n for _, names in fetched for n in names}
-        for initializer in proto.initializer:
-            if initializer.name in wanted:
-                self.constants[initializer.name] = _read_only(
-                    numpy_helper.to_array(initializer))
+        # filled by `bind` once the model is serialized
+        self.constants = dict.fromkeys(i.name for i in proto.initializer if i.name in wanted)
         self.extra = []
         for name in dict.fromkeys(n for _, names in fetched for n in names):
             if name not in self.inputs and name not in self.constants:
                 self.extra.append(name)
+
+    def bind(self, data, proto):
+        """Read the observed initializers: views over ``data`` (the serialized
+        model the session is created from, which the session cache keeps)
+        where the wire format allows, copies from ``proto`` otherwise."""
+        views = initializer_views(data, self.constants)
+        for initializer in proto.initializer:
+            if initializer.name in self.constants and self.constants[initializer.name] is None:
+                value = views.get(initializer.name)
+                if value is None:
+                    value = numpy_helper.to_array(initializer)
+                self.constants[initializer.name] = _read_only(value)
 
     def fetches(self, output_names):
         """(names to fetch, how many of them the caller asked for)."""
@@ -300,7 +313,7 @@ def _drop_unread_initializers(proto, names):
     """Remove the initializers among ``names`` that no node reads: a
     routine that observes a weight gets it from `_FetchPlan`, and
     onnxruntime refuses an unread initializer that is not a graph input
-    (IR < 4)."""
+    (IR < 4). Returns their values (copies), by name."""
     read = set()
 
     def collect(graph):
@@ -312,9 +325,12 @@ def _drop_unread_initializers(proto, names):
                     collect(sub)
     collect(proto)
     keep = [i for i in proto.initializer if i.name not in names or i.name in read]
-    if len(keep) != len(proto.initializer):
+    dropped = {i.name: numpy_helper.to_array(i) for i in proto.initializer
+               if i.name in names and i.name not in read}
+    if dropped:
         del proto.initializer[:]
         proto.initializer.extend(keep)
+    return dropped
 
 
 def _read_only(value):

@@ -26,6 +26,7 @@ from amanda.frontends.onnx import load_model
 from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _checked_run, _original_init, session_options
 from amanda.runtime.onnx_instrument import _instrument
+from amanda.runtime.onnx_lowering import lower
 from amanda.runtime.onnx_observe import _fetch_for, _NotSide, _observation, _SideBranches
 
 
@@ -45,7 +46,9 @@ class _Instrumented:
 
     Attributes:
         data: the model bytes to run when routines feed the model (or
-            nothing was recorded: the user's bytes).
+            nothing was recorded: the user's bytes). When every routine only
+            looks they are written only if the side branches cannot be
+            attached (the lowered model is as large as the user's).
         callbacks: they host Python routines.
         inline: some Python routine's results flow back into the model.
         side: ``(lowered IR graph, user's ModelProto)`` when every routine
@@ -54,11 +57,17 @@ class _Instrumented:
     """
 
     def __init__(self, data, callbacks=False, inline=False, side=None):
-        self.data = data
+        self._data = data
         self.callbacks = callbacks
         self.inline = inline
         self.side = side
         self.optimised = {}
+
+    @property
+    def data(self):
+        if self._data is None:
+            self._data = lower(self.side[0]).SerializeToString()
+        return self._data
 
 
 def _instrumented(session, source):
@@ -72,15 +81,20 @@ def _instrumented(session, source):
         return hit
     if model is None:
         model = load_model(data)
+    else:   # read from a file: the bytes were only needed for the key
+        data = None
     lowered, lowering = _instrument(model, session, callbacks=True)
     if lowered is None:
-        hit = _Instrumented(data)
+        hit = _Instrumented(data if data is not None else model.SerializeToString())
+    elif lowering.side_only and lowering.uses_callbacks:
+        # the optimised model with side branches is what runs (written per
+        # optimisation level): no copy of the lowered model is kept
+        del lowered, data
+        hit = _Instrumented(None, True, lowering.inline, (lowering.top, model))
     else:
-        side = None
-        if lowering.side_only and lowering.uses_callbacks:
-            side = (lowering.top, model)
+        del data
         hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
-                            lowering.inline, side)
+                            lowering.inline)
     cache[key] = hit
     return hit
 
@@ -123,7 +137,13 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
                                               provider_options, kwargs)
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch)
-            found = branches.model().SerializeToString(), branches.plan
+            del optimised   # the branches own it now
+            result = branches.model()
+            data = result.SerializeToString()
+            if branches.plan is not None:
+                # observed weights: views over the bytes kept here, not copies
+                branches.plan.bind(data, result.graph)
+            found = data, branches.plan
         except _NotSide:
             found = b"", None
         hit.optimised[key] = found

@@ -1,0 +1,132 @@
+"""Read-only NumPy views of a serialized model's initializers, without copies.
+
+``numpy_helper.to_array`` (and ``TensorProto.raw_data``) copy a weight out
+of its message. A session that keeps the serialized model anyway (to create
+more sessions on a cache hit) can instead hand routines views over those
+bytes: `initializer_views` walks the protobuf wire format of a
+``ModelProto`` far enough to find each top-level initializer's ``raw_data``
+and returns ``np.frombuffer`` views of it. Initializers stored otherwise
+(typed fields such as ``float_data``, external data, strings, sub-byte or
+8-bit float types) are not found; the caller copies those.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ModelProto.graph, GraphProto.initializer, and the TensorProto fields read
+_MODEL_GRAPH = 7
+_GRAPH_INITIALIZER = 5
+_TENSOR_DIMS, _TENSOR_TYPE, _TENSOR_NAME, _TENSOR_RAW, _TENSOR_LOCATION = 1, 2, 8, 9, 14
+
+#: ONNX element types whose raw bytes are the NumPy array's bytes
+#: (little-endian, one element per item)
+_PLAIN = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32,
+          7: np.int64, 9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32,
+          13: np.uint64, 14: np.complex64, 15: np.complex128}
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _varint(data, pos):
+    value = shift = 0
+    while True:
+        if pos >= len(data):
+            raise _Malformed
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(data, start, end):
+    """(field number, wire type, value or (start, end) of a length-delimited
+    field) of the message in ``data[start:end]``."""
+    pos = start
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire == 1:
+            value, pos = None, pos + 8
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            value, pos = (pos, pos + size), pos + size
+        elif wire == 5:
+            value, pos = None, pos + 4
+        else:   # groups are not used by onnx.proto
+            raise _Malformed
+        if pos > end:
+            raise _Malformed
+        yield field, wire, value
+
+
+def _tensor(data, start, end):
+    """(name, array view) of one TensorProto, or None when it has no plain raw data."""
+    dims, elem, name, raw, external = [], 0, None, None, False
+    for field, wire, value in _fields(data, start, end):
+        if field == _TENSOR_DIMS:
+            if wire == 0:
+                dims.append(value)
+            else:   # packed
+                pos, stop = value
+                while pos < stop:
+                    dim, pos = _varint(data, pos)
+                    dims.append(dim)
+        elif field == _TENSOR_TYPE:
+            elem = value
+        elif field == _TENSOR_NAME:
+            name = bytes(data[value[0]:value[1]]).decode("utf-8")
+        elif field == _TENSOR_RAW:
+            raw = value
+        elif field == _TENSOR_LOCATION:
+            external = value == 1
+    dtype = _PLAIN.get(elem)
+    if name is None or raw is None or external or dtype is None:
+        return None
+    # int64 dims are two's complement varints: a negative one is invalid here
+    if any(d >= 1 << 63 for d in dims):
+        return None
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    itemsize = np.dtype(dtype).itemsize
+    if count * itemsize != raw[1] - raw[0]:
+        return None
+    array = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count,
+                          offset=raw[0])
+    return name, array.reshape(dims)
+
+
+def initializer_views(data, names):
+    """``{name: read-only array}`` for the top-level initializers among
+    ``names`` that the serialized ``ModelProto`` ``data`` (``bytes``) stores
+    as plain raw data; the arrays share memory with ``data``. Others (and
+    everything, if the bytes cannot be walked) are missing from the result."""
+    wanted = set(names)
+    found = {}
+    if not wanted:
+        return found
+    try:
+        graphs = [v for f, w, v in _fields(data, 0, len(data)) if f == _MODEL_GRAPH and w == 2]
+        if len(graphs) != 1:   # several graph fields would be merged: do not guess
+            return found
+        start, end = graphs[0]
+        for field, wire, value in _fields(data, start, end):
+            if field != _GRAPH_INITIALIZER or wire != 2:
+                continue
+            tensor = _tensor(data, *value)
+            if tensor is not None and tensor[0] in wanted:
+                if tensor[0] in found:   # a repeated name: leave it to the caller
+                    del found[tensor[0]]
+                    wanted.discard(tensor[0])
+                    continue
+                found[tensor[0]] = tensor[1]
+    except _Malformed:
+        return {}
+    for array in found.values():
+        array.flags.writeable = False
+    return found
