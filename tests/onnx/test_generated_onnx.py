@@ -2,7 +2,8 @@
 
 Hypothesis builds small random ONNX graphs (element-wise ops, a shared
 weight, multi-output ``Split``, broadcasting, boolean intermediates,
-``Constant`` nodes, ``If`` with branches reading outer values, a value read
+``Constant`` nodes, ``If`` with branches reading outer values, ``Loop``s run
+0, 1 or 3 times whose bodies read outer values, a value read
 twice by one node, intermediates that are also graph outputs). On each:
 
 * a tool observing before and after every op sees, at every run, exactly
@@ -55,7 +56,7 @@ def programs(draw, max_nodes=12):
     for _ in range(draw(st.integers(1, max_nodes))):
         floats = b.of("f")
         kind = draw(st.sampled_from(["unary", "binary", "matmul", "split", "concat", "reduce",
-                                     "where", "constant", "if"]))
+                                     "where", "constant", "if", "loop"]))
         if kind == "unary":
             op = draw(st.sampled_from(UNARY))
             attrs = {"axis": 1} if op == "Softmax" else {}
@@ -109,6 +110,25 @@ def programs(draw, max_nodes=12):
             out = b.new("f")
             b.nodes.append(helper.make_node("Constant", [], [out], name=f"n{b.count}",
                                             value=numpy_helper.from_array(value)))
+        elif kind == "loop":
+            # v <- v * outer + v, trip count 0, 1 or 3: body points per iteration
+            trips = f"trips{b.count}"
+            b.initializers.append(numpy_helper.from_array(
+                np.array(draw(st.sampled_from([0, 1, 3])), np.int64), trips))
+            start, outer = draw(st.sampled_from(floats)), draw(st.sampled_from(floats))
+            out = b.new("f")
+            body = helper.make_graph(
+                [helper.make_node("Mul", ["v_in", outer], ["prod"], name=f"{out}_mul"),
+                 helper.make_node("Add", ["prod", "v_in"], ["v_out"], name=f"{out}_add"),
+                 helper.make_node("Identity", ["cond_in"], ["cond_out"], name=f"{out}_cond")],
+                f"{out}_body",
+                [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, SHAPE)],
+                [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_out", TensorProto.FLOAT, SHAPE)])
+            b.nodes.append(helper.make_node("Loop", [trips, "", start], [out],
+                                            name=f"n{b.count}", body=body))
         elif kind == "if":
             source = draw(st.sampled_from(floats))
             total = b.new("s")
@@ -211,14 +231,16 @@ class Identity(amanda.Tool):
 
 def _inputs(node):
     """A node's inputs as amanda's points see them: the outer values its
-    subgraphs read are explicit inputs after its own (docs/onnx.md)."""
-    names = list(node.input)
+    subgraphs read are explicit inputs after its own, once each, also when
+    the node reads one of them itself (docs/onnx.md)."""
+    captured = []
     for attribute in node.attribute:
         if attribute.type == onnx.AttributeProto.GRAPH:
             local = {n for inner in attribute.g.node for n in inner.output}
+            local.update(i.name for i in attribute.g.input)
             for inner in attribute.g.node:
-                names += [n for n in inner.input if n and n not in local and n not in names]
-    return names
+                captured += [n for n in inner.input if n and n not in local and n not in captured]
+    return list(node.input) + captured
 
 
 def _same_log(a, b):
@@ -261,13 +283,25 @@ def test_observed_values_are_the_plain_ones_and_the_cache_changes_nothing(model,
         node = tool.names[op]
         if getattr(node, "name", None) in nodes:
             names = _inputs(node) if point == "before" else list(node.output)
-            expected = [reference[n] for n in names if n]
+            # (an empty optional input keeps its slot, as None)
+            expected = [reference[n] if n else None for n in names]
             assert len(arrays) == len(expected), (node.op_type, point)
             for got_value, want in zip(arrays, expected):
-                assert same(got_value, want), (node.op_type, node.name, point)
+                assert (got_value is None and want is None) or same(got_value, want), \
+                    (node.op_type, node.name, point)
     top = [op for op in seen if getattr(tool.names[op], "name", None) in nodes]
     assert len(top) == len(nodes)
-    assert all(points == ["before", "after"] for points in seen.values())
+    # body ops: before/after pairs, once per iteration (only the taken branch)
+    assert all(points == ["before", "after"] * (len(points) // 2) and points
+               for points in seen.values())
+    for op in top:
+        node = tool.names[op]
+        if node.op_type == "Loop":
+            trips = int(reference[node.input[0]])
+            body = [inner.name for a in node.attribute if a.name == "body" for inner in a.g.node]
+            counts = [len(seen[o]) // 2 for o in seen
+                      if getattr(tool.names[o], "name", None) in body]
+            assert counts == [trips] * len(body) if trips else counts == [], (trips, counts)
 
     # producers' after-points come before their consumers' before-points
     position = {(op, point): i for i, (op, point, _) in enumerate(log)}
