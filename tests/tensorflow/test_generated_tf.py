@@ -97,6 +97,36 @@ def programs(draw, max_ops=10):
     return steps, outputs, draw(st.booleans()), fed, draw(st.booleans())
 
 
+def _compute(steps, x, y, w):
+    """The recipe's tensors: x, y, then one per step that makes a float."""
+    floats, halves = [x, y], []
+    for step in steps:
+        kind = step[0]
+        if kind == "unary":
+            floats.append(_unary(step[1], floats[step[2]]))
+        elif kind == "binary":
+            floats.append(getattr(tf.math, step[1])(floats[step[2]], floats[step[3]]))
+        elif kind == "matmul":
+            floats.append(tf.matmul(floats[step[1]], w))
+        elif kind == "split":
+            halves.extend(tf.split(floats[step[1]], 2, axis=1))
+        elif kind == "concat":
+            floats.append(tf.concat([halves[step[1]], halves[step[2]]], axis=1))
+        elif kind == "reduce":
+            floats.append(floats[step[1]] + tf.reduce_sum(floats[step[2]], axis=1,
+                                                          keepdims=True))
+        elif kind == "where":
+            a, b = floats[step[1]], floats[step[2]]
+            floats.append(tf.where(a > b, b, a))
+        elif kind == "constant":
+            floats.append(tf.constant(np.full(SHAPE, step[1], np.float32)))
+        elif kind == "cond":
+            source, inner, yes, no = floats[step[1]], floats[step[2]], step[3], step[4]
+            floats.append(tf.cond(tf.reduce_sum(source) > 0, lambda: _unary(yes, inner),
+                                  lambda: _unary(no, inner)))
+    return floats
+
+
 def _build(recipe):
     """The graph of a recipe: (graph, feeds, fetches, train op, variable, init).
 
@@ -110,31 +140,7 @@ def _build(recipe):
         y = tf.compat.v1.placeholder(tf.float32, SHAPE, name="y")
         w = tf.Variable(np.random.default_rng(7).standard_normal((4, 4)).astype(np.float32),
                         name="w")
-        floats, halves = [x, y], []
-        for step in steps:
-            kind = step[0]
-            if kind == "unary":
-                floats.append(_unary(step[1], floats[step[2]]))
-            elif kind == "binary":
-                floats.append(getattr(tf.math, step[1])(floats[step[2]], floats[step[3]]))
-            elif kind == "matmul":
-                floats.append(tf.matmul(floats[step[1]], w))
-            elif kind == "split":
-                halves.extend(tf.split(floats[step[1]], 2, axis=1))
-            elif kind == "concat":
-                floats.append(tf.concat([halves[step[1]], halves[step[2]]], axis=1))
-            elif kind == "reduce":
-                floats.append(floats[step[1]] + tf.reduce_sum(floats[step[2]], axis=1,
-                                                              keepdims=True))
-            elif kind == "where":
-                a, b = floats[step[1]], floats[step[2]]
-                floats.append(tf.where(a > b, b, a))
-            elif kind == "constant":
-                floats.append(tf.constant(np.full(SHAPE, step[1], np.float32)))
-            elif kind == "cond":
-                source, inner, yes, no = floats[step[1]], floats[step[2]], step[3], step[4]
-                floats.append(tf.cond(tf.reduce_sum(source) > 0, lambda: _unary(yes, inner),
-                                      lambda: _unary(no, inner)))
+        floats = _compute(steps, x, y, w)
         fetches = [floats[i] for i in outputs] or [tf.nn.relu(x)]
         inputs = [x, y] + ([floats[fed]] if fed is not None and fed < len(floats) else [])
         if fetch_variable:
@@ -343,3 +349,52 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(programs(), st.integers(0, 1000))
+def test_tf_function_identity_counts_and_cache(recipe, seed):
+    """The same programs as ``tf.function``s called eagerly: identity routines
+    leave the outputs and a gradient step bit-identical, a counting tool sees
+    every op of the function once per call, and a cache hit in a new scope, a
+    fresh tool and ``cache_disabled()`` see the same (op, point, values)."""
+    steps, outputs, train, _, _ = recipe
+    rng = np.random.default_rng(seed)
+    x, y = (tf.constant(rng.standard_normal(SHAPE).astype(np.float32)) for _ in range(2))
+    w = tf.Variable(np.random.default_rng(7).standard_normal((4, 4)).astype(np.float32))
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            floats = _compute(steps, x, y, w)
+            results = [floats[i] for i in outputs] or [tf.nn.relu(x)]
+            loss = tf.add_n([tf.reduce_sum(r * r) for r in results]) + tf.reduce_sum(w * w)
+        if train:
+            w.assign_sub(0.01 * tape.gradient(loss, w))
+        return results
+
+    def calls(tool, scope=_nothing):
+        w.assign(np.random.default_rng(7).standard_normal((4, 4)).astype(np.float32))
+        with scope(), (amanda.apply(tool) if tool is not None else _nothing()):
+            got = [[r.numpy() for r in step(x, y)] for _ in range(2)]
+        return got + [[w.numpy()]]
+
+    expected = calls(None)
+    tool = Identity()
+    for a, b in zip(expected, calls(tool)):
+        assert all(_same(p, q) for p, q in zip(a, b))
+    assert tool.calls > 0
+
+    observer = Observe()
+    first = len(observer.log)
+    calls(observer)
+    log = observer.log[first:]
+    half = _by_point(log)
+    assert all(len(v) == 2 for v in half.values())     # each point once per call
+    for tool, scope in ((observer, _nothing), (Observe(), _nothing),
+                        (Observe(), amanda.cache_disabled)):
+        first = len(tool.log)
+        calls(tool, scope)
+        _same_points(log, tool.log[first:])
