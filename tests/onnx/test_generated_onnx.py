@@ -340,3 +340,76 @@ def test_identity_routines_change_no_output(model, seed):
     assert tool.calls >= 2 * len(model.graph.node)
     assert all(same(p, g) for p, g in zip(plain, got))
     assert model.SerializeToString() == before
+
+
+_FLOAT_OUT = set(UNARY) | set(BINARY) | {"MatMul", "Concat", "Where", "Constant", "Split", "Add"}
+_FLOAT_IN = set(UNARY) | set(BINARY) | {"MatMul", "Split", "ReduceSum", "Greater", "Add"}
+
+
+class Double(amanda.Tool):
+    """Doubles input 0 before, or output 0 after, the chosen nodes (Python routines)."""
+
+    def __init__(self, before, after):
+        super().__init__()
+        self.before, self.after = before, after
+        self.add_inst_for_op(self.analyse, require_outputs=True)
+
+    def analyse(self, context):
+        name = getattr(context.get_op(), "name", None)
+        if name in self.before:
+            context.insert_before_op(self.double, inputs=[0])
+        if name in self.after:
+            context.insert_after_op(self.double, outputs=[0])
+
+    def double(self, array):
+        return array * np.float32(2)
+
+
+def _hand_doubled(model, before, after):
+    """The model with a ``Mul`` by 2 written in where `Double` puts routines:
+    before a node only that node reads the doubled value; after it, every
+    reader (and the graph output) does."""
+    edited = onnx.ModelProto()
+    edited.CopyFrom(model)
+    graph = edited.graph
+    graph.initializer.append(numpy_helper.from_array(np.array(2, np.float32), "two"))
+    nodes = []
+    for node in graph.node:
+        if node.name in before:
+            doubled = f"{node.input[0]}_doubled_for_{node.name}"
+            nodes.append(helper.make_node("Mul", [node.input[0], "two"], [doubled]))
+            node.input[0] = doubled
+        nodes.append(node)
+        if node.name in after:
+            raw = f"{node.output[0]}_raw"
+            nodes.append(helper.make_node("Mul", [raw, "two"], [node.output[0]]))
+            node.output[0] = raw
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return edited
+
+
+@_SETTINGS
+@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False))
+def test_replacing_routines_equal_the_hand_edited_model(model, seed, random):
+    """Rewiring by difference: routines that replace values equal the same
+    change written into the model by hand (optimisations off on both sides,
+    so no fusion tells them apart)."""
+    before = sorted(n.name for n in model.graph.node
+                    if n.op_type in _FLOAT_IN and random.random() < 0.4)
+    after = sorted(n.name for n in model.graph.node
+                   if n.op_type in _FLOAT_OUT and random.random() < 0.4)
+    feeds = _feeds(seed)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def session(proto):
+        return ort.InferenceSession(proto.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+
+    expected = session(_hand_doubled(model, set(before), set(after))).run(None, feeds)
+    with amanda.apply(Double(set(before), set(after))):
+        instrumented = session(model)
+    for _ in range(2):
+        got = instrumented.run(None, feeds)
+        assert all(same(e, g) for e, g in zip(expected, got)), (before, after)
