@@ -47,7 +47,7 @@ public names:
 * :mod:`~amanda.runtime.onnx_host`: the Python side of host nodes
   (hand-off, checks, errors, `current_run`, `inference_session`);
 * :mod:`~amanda.runtime.onnx_observe`: observe-only side branches and the
-  zero-copy fetch path (`hosted_observation`).
+  zero-copy fetch path (`hosted_observation`, `observation_budget`).
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ from amanda.runtime.onnx_host import (  # noqa: F401
 from amanda.runtime.onnx_instrument import (  # noqa: F401
     OnnxGraphBackend, evaluate, example_feeds, export, instrument_model)
 from amanda.runtime.onnx_lowering import MAX_IR_VERSION, lower  # noqa: F401
-from amanda.runtime.onnx_observe import hosted_observation
+from amanda.runtime.onnx_observe import (  # noqa: F401
+    OBSERVATION_BUDGET, hosted_observation, observation_budget)
 from amanda.runtime.onnx_routine_nodes import returns_only_none  # noqa: F401
 from amanda.runtime.onnx_session import DRIVER, OnnxRuntimeDriver  # noqa: F401
 
 __all__ = ["DRIVER", "current_run", "evaluate", "example_feeds", "export", "hosted_observation",
-           "inference_session", "instrument_model", "lower", "session_options"]
+           "inference_session", "instrument_model", "lower", "observation_budget",
+           "session_options"]

@@ -11,6 +11,7 @@ inside `hosted_observation` they run as host nodes during the run instead.
 
 from __future__ import annotations
 
+import heapq
 import threading
 
 import numpy as np
@@ -56,6 +57,11 @@ class _SideBranches(_Lowering):
         model: the user's ``ModelProto``.
         optimized: the ``ModelProto`` onnxruntime wrote after optimising it;
             it becomes the result (changed in place, not copied).
+        fetch: top-level routines are fetched and called after the run
+            (`_FetchPlan`) instead of hosted.
+        eager: hosted routines are listed right after their tensors'
+            producers (`_sort_nodes_eagerly`; the session then runs with
+            ``ExecutionOrder.PRIORITY_BASED``); not with routines in bodies.
 
     Raises:
         _NotSide: (from `model`) a routine reads a tensor that cannot be
@@ -63,9 +69,10 @@ class _SideBranches(_Lowering):
             graph; the routines then run in the user's graph.
     """
 
-    def __init__(self, graph, model, optimized, fetch=False):
+    def __init__(self, graph, model, optimized, fetch=False, eager=False):
         super().__init__(graph, callbacks=True)
         self.fetch = fetch
+        self.eager = eager and not fetch
         self.fetched = []   # (routine key, names of its tensors), in program order
         self._declared = set()
         self.copied = set()   # initializers copied back in for routines (see resolve)
@@ -86,6 +93,7 @@ class _SideBranches(_Lowering):
 
     def model(self):
         outputs = [o.name for o in self.result.graph.output]
+        own = len(self.result.graph.node)
         self._attach(self.top, self.result.graph, self.original.graph)
         if self.fetch:
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
@@ -95,7 +103,10 @@ class _SideBranches(_Lowering):
                                         if n in self.plan.constants})
         # side-branch nodes were appended; onnxruntime wants nodes that
         # produce a value a body reads (a token) listed before the body's node
-        _sort_nodes(self.result.graph)
+        if self.eager:
+            _sort_nodes_eagerly(self.result.graph, own)
+        else:
+            _sort_nodes(self.result.graph)
         if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         return self.result
@@ -217,6 +228,48 @@ class _SideBranches(_Lowering):
         copy.output.extend(outputs)
         scope.proto.node.append(copy)
         return scope.recomputed[name]
+
+
+def _sort_nodes_eagerly(proto, own):
+    """Order the top graph so that every node after the first ``own`` (the
+    side branches: host nodes, recomputations) comes as soon as its inputs
+    exist, the model's nodes keeping their order otherwise; bodies are
+    sorted as by `_sort_nodes`.
+
+    Sessions that host observers run with ``ExecutionOrder.PRIORITY_BASED``
+    (earliest listed ready node first), so each routine then runs right
+    after the node producing its tensor: the tensor is released as early as
+    in the plain run and each copy handed to Python lives for one call,
+    instead of every observed tensor waiting for side branches that the
+    default order runs last."""
+    from amanda.frontends.onnx import _free_variables
+    nodes = list(proto.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    users = [[] for _ in nodes]
+    pending = []
+    for k, node in enumerate(nodes):
+        reads = set(node.input)
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _sort_nodes(sub)
+                reads.update(_free_variables(sub))
+        needs = {j for j in map(producer.get, reads) if j is not None and j != k}
+        for j in needs:
+            users[j].append(k)
+        pending.append(len(needs))
+    ready = [(k < own, k) for k, count in enumerate(pending) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for user in users[k]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, (user < own, user))
+    if len(order) == len(nodes) and order != list(range(len(nodes))):
+        del proto.node[:]
+        proto.node.extend(nodes[k] for k in order)
 
 
 class _Available:
@@ -383,7 +436,62 @@ def _fetch_for(session, plan):
         setattr(session, method, _no_fetching(method))
 
 
-_observation = threading.local()   # .hosted: sessions created now host observers
+_observation = threading.local()   # .hosted: sessions created now host observers;
+#                                    .budget: bytes fetched per run at most
+
+#: default of `observation_budget`: bytes of observed tensors fetched per run
+OBSERVATION_BUDGET = 64 << 20
+
+
+def observation_budget(nbytes):
+    """Sessions created inside fetch at most ``nbytes`` of observed tensors per run.
+
+    Fetching observed tensors as extra outputs (the default for observe-only
+    routines) keeps every one of them alive until the run ends, so peak
+    memory grows by their total size. When that total, estimated when the
+    session is created, exceeds the budget, the session hosts its routines
+    inside the run instead (as in `hosted_observation`), each right after
+    the node producing its tensor, on copies that live for one call. A
+    dimension the model leaves symbolic (a batch) counts as 1 in the
+    estimate. Default: `OBSERVATION_BUDGET` (64 MiB); per thread.
+    """
+    return swapped(_observation, "budget", int(nbytes))
+
+
+def _fetches(graph):
+    """Whether a session fetches the observed tensors of the lowered IR
+    ``graph`` (see `observation_budget`) rather than hosting its routines."""
+    if getattr(_observation, "hosted", False):
+        return False
+    budget = getattr(_observation, "budget", None)
+    return _observed_bytes(graph) <= (OBSERVATION_BUDGET if budget is None else budget)
+
+
+def _observed_bytes(graph):
+    """Bytes of the computed tensors the top-level routines of ``graph`` read,
+    each counted once; unknown dimensions count as 1, tensors of unknown type
+    (not handed to routines) as 0."""
+    seen = set()
+    total = 0
+    for op in graph:
+        if op.type != ROUTINE:
+            continue
+        for tensor in op.inputs:
+            while tensor.producer is not None and tensor.producer.type == ROUTINE:
+                tensor = tensor.producer.inputs[tensor.index]   # observers pass tensors on
+            attrs = tensor.attrs
+            if tensor in seen or attrs.get("absent") or attrs.get("initializer") is not None \
+                    or tensor.producer is None:
+                continue
+            seen.add(tensor)
+            dtype = attrs.get("dtype")
+            if dtype is None or dtype not in _HOSTED_DTYPES:
+                continue
+            count = 1
+            for dim in attrs.get("shape") or ():
+                count *= dim if isinstance(dim, int) and dim > 0 else 1
+            total += count * np.dtype(dtype).itemsize
+    return total
 
 
 def hosted_observation():

@@ -27,7 +27,7 @@ from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _checked_run, _original_init, session_options
 from amanda.runtime.onnx_instrument import _instrument
 from amanda.runtime.onnx_lowering import lower
-from amanda.runtime.onnx_observe import _fetch_for, _NotSide, _observation, _SideBranches
+from amanda.runtime.onnx_observe import _fetch_for, _fetches, _NotSide, _SideBranches
 
 
 def _model_bytes(source):
@@ -128,7 +128,8 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
     cached per optimisation level and providers; None if a routine reads a
     tensor that cannot be recomputed (it then runs in the model's dataflow)."""
     graph, model = hit.side
-    fetch = not getattr(_observation, "hosted", False) and not _bodies_host_routines(graph)
+    in_bodies = _bodies_host_routines(graph)
+    fetch = not in_bodies and _fetches(graph)
     key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
            fetch)
     found = hit.optimised.get(key)
@@ -136,18 +137,19 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
         optimised = _optimised_by_onnxruntime(model.SerializeToString(), options, providers,
                                               provider_options, kwargs)
         try:
-            branches = _SideBranches(graph, model, optimised, fetch=fetch)
+            branches = _SideBranches(graph, model, optimised, fetch=fetch,
+                                     eager=not fetch and not in_bodies)
             del optimised   # the branches own it now
             result = branches.model()
             data = result.SerializeToString()
             if branches.plan is not None:
                 # observed weights: views over the bytes kept here, not copies
                 branches.plan.bind(data, result.graph)
-            found = data, branches.plan
+            found = data, branches.plan, branches.eager
         except _NotSide:
-            found = b"", None
+            found = b"", None, False
         hit.optimised[key] = found
-    return found if found[0] else (None, None)
+    return found if found[0] else (None, None, False)
 
 
 def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
@@ -162,18 +164,24 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                               **kwargs)
     options = session_options(sess_options)
     data = plan = None
+    eager = False
     if hit.side is not None:
-        data, plan = _side_branch_model(hit, options, providers, provider_options, kwargs)
+        data, plan, eager = _side_branch_model(hit, options, providers, provider_options,
+                                               kwargs)
     if data is not None:
         # the model is optimised already: optimising again could fuse the
         # side branches into it
         with _OPTIONS_LOCK:
-            level = options.graph_optimization_level
+            level, order = options.graph_optimization_level, options.execution_order
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            if eager:
+                # hosted observers are listed right after their tensors'
+                # producers: run nodes in that order (see _sort_nodes_eagerly)
+                options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
             try:
                 _original_init(self, data, options, providers, provider_options, **kwargs)
             finally:
-                options.graph_optimization_level = level
+                options.graph_optimization_level, options.execution_order = level, order
     else:
         if hit.inline and options.graph_optimization_level != \
                 ort.GraphOptimizationLevel.ORT_DISABLE_ALL:

@@ -118,7 +118,7 @@ def test_observed_weights_are_views_of_the_cached_model(level):
         second = ort.InferenceSession(model.SerializeToString(), options,
                                       providers=["CPUExecutionProvider"])   # a cache hit
         kept = [data for hit in controls.state.sessions[-1].caches["onnx"].values()
-                for data, _ in hit.optimised.values()]
+                for data, *_ in hit.optimised.values()]
     first.run(None, {"x": x})
     second.run(None, {"x": x})
     (op1, (x1, w1)), _, (op2, (x2, w2)), _ = tool.seen
