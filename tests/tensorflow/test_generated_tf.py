@@ -398,3 +398,98 @@ def test_tf_function_identity_counts_and_cache(recipe, seed):
         first = len(tool.log)
         calls(tool, scope)
         _same_points(log, tool.log[first:])
+
+
+class Double(amanda.Tool):
+    """Doubles input 0 before, or output 0 after, the named ops (Python routines)."""
+
+    def __init__(self, before, after):
+        super().__init__()
+        self.before, self.after = before, after
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        name = context.get_op().name
+        if name in self.before:
+            context.insert_before_op(self.double, inputs=[0])
+        if name in self.after:
+            context.insert_after_op(self.double, outputs=[0])
+
+    def double(self, array):
+        return array * np.float32(2)
+
+
+def _hand_doubled(graph, before, after):
+    """A GraphDef with a ``Mul`` by 2 where `Double` puts routines: before an
+    op only that op reads the doubled value; after it, every reader does.
+    Returns the GraphDef and the renaming of doubled outputs (for fetches)."""
+    graph_def = graph.as_graph_def()
+    graph_def.node.add().CopyFrom(_const_node("amanda_test_two", np.float32(2)))
+    renamed = {}
+    for name in after:
+        node = graph_def.node.add()
+        node.CopyFrom(_mul_node(f"{name}_doubled", f"{name}:0"))
+        renamed[f"{name}:0"] = f"{name}_doubled:0"
+    for node in graph_def.node:
+        if node.name.endswith("_doubled") or node.name.startswith("amanda_test_"):
+            continue
+        for i, source in enumerate(node.input):
+            key = source if ":" in source or source.startswith("^") else f"{source}:0"
+            if key in renamed:
+                node.input[i] = renamed[key][:-2]
+    for name in before:
+        node = next(n for n in graph_def.node if n.name == name)
+        mul = graph_def.node.add()
+        mul.CopyFrom(_mul_node(f"amanda_test_{name}_input", node.input[0]))
+        node.input[0] = mul.name
+    return graph_def, renamed
+
+
+def _const_node(name, value):
+    node = tf.compat.v1.NodeDef(name=name, op="Const")
+    node.attr["dtype"].type = tf.float32.as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return node
+
+
+def _mul_node(name, source):
+    node = tf.compat.v1.NodeDef(name=name, op="Mul", input=[source, "amanda_test_two"])
+    node.attr["T"].type = tf.float32.as_datatype_enum
+    return node
+
+
+@_SETTINGS
+@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False))
+def test_replacing_routines_equal_the_hand_edited_graph(recipe, seed, random):
+    """Rewiring by difference, forward: routines that replace values equal the
+    same change written into the GraphDef by hand."""
+    graph, inputs, fetches, _, w, init = _build(recipe)
+    fetches = [f for f in fetches if f is not w]
+    feeds = _feeds(inputs, seed)
+    fed_ops = {t.op.name for t in feeds}
+    ran = _ancestors(fetches, feeds)
+    float32 = tf.float32
+
+    def floats(tensors):
+        return len(tensors) > 0 and tensors[0].dtype == float32
+
+    # every op that runs, placeholders (their fed value) included; a fed
+    # intermediate's producer does not run, so it has no "before" to double
+    ops = [graph.get_operation_by_name(n) for n in sorted(ran | fed_ops)]
+    ops = [op for op in ops if op.type == "Placeholder" or op.name not in fed_ops]
+    before = {op.name for op in ops if floats(op.inputs) and random.random() < 0.4}
+    after = {op.name for op in ops if floats(op.outputs) and random.random() < 0.4}
+    edited, renamed = _hand_doubled(graph, before, after)
+    reference = tf.Graph()
+    with reference.as_default():
+        tf.graph_util.import_graph_def(edited, name="")
+    with tf.compat.v1.Session(graph=reference, config=_config()) as plain:
+        plain.run(init.name)
+        expected = plain.run([renamed.get(f.name, f.name) for f in fetches],
+                             {t.name: v for t, v in feeds.items()})
+    with tf.compat.v1.Session(graph=graph, config=_config()) as session:
+        session.run(init)
+        with amanda.apply(Double(before, after)):
+            for _ in range(2):
+                got = session.run(fetches, feeds)
+                assert all(_same(e, g) for e, g in zip(expected, got)), (before, after)
