@@ -48,6 +48,7 @@ class _Shadow:
         if self.session is not None:
             self.session.close()
             self.session = None
+            self.sync.forget()
 
     def run(self, fetches, feed_dict, options, run_metadata):
         """``Session.run`` of the copy, answering exactly as the user's
@@ -61,6 +62,7 @@ class _Shadow:
         mapped += [self._cached_fetch(op) for op in handler.targets()]
         values = []
         if mapped:
+            self.sync.writes.ran(mapped)
             with _surface():
                 values = _original_run(self.session, mapped, feeds or None, options,
                                        run_metadata)

@@ -1,13 +1,83 @@
 """TensorFlow graph mode: variable values moved between a user session and
-its shadow (`_VariableSync`, `_runs_alone`, `_sync_ops`).
+its shadow (`_VariableSync`, `_runs_alone`, `_sync_ops`, `_Writes`).
+
+A sync moves only what changed. Fetches through a session callable alias
+the variables' buffers (no copy), and TensorFlow copies a resource
+variable's buffer before any write while another reference to it is alive
+(copy-on-write: assigns, optimizer updates, scatters). So the arrays kept
+from the last sync (*snapshots*) tell, by address, which user variables
+kept their values since; the shadow's own writes are known from the ops its
+runs can execute (`_Writes`).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+
 from amanda.runtime.tensorflow_probes import _original_run
+
+_VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
+# consumers of a variable's handle or reference that never write it
+_READ_ONLY = frozenset(("ReadVariableOp", "VarIsInitializedOp", "VariableShape", "ResourceGather",
+                        "ResourceGatherNd", "IsVariableInitialized", "Identity"))
+ALL = None   # "every variable may have been written"
+
+
+class _Callables:
+    """Session callables (``CallableOptions``: no op added to any graph),
+    made once per (feeds, fetches, targets) and released with this object.
+    Their fetches alias TensorFlow's buffers instead of copying them."""
+
+    def __init__(self):
+        self._made = {}
+
+    def run(self, session, fetches=(), feeds=(), values=(), targets=()):
+        key = (id(session), tuple(t.name for t in feeds), tuple(t.name for t in fetches),
+               tuple(op.name for op in targets))
+        made = self._made.get(key)
+        if made is None:
+            options = config_pb2.CallableOptions()
+            options.feed.extend(key[1])
+            options.fetch.extend(key[2])
+            options.target.extend(key[3])
+            made = self._made[key] = session._make_callable_from_options(options)
+        return made(*values)
+
+    def clear(self):
+        self._made.clear()
+
+
+def _address(array):
+    return array.__array_interface__["data"][0]
+
+
+_SMALL = 1 << 16   # bytes: a value this small is kept as a copy and compared
+
+
+def _snapshot(value, read):
+    """What is kept of a user variable's value after a sync: the aliased
+    buffer of a resource variable (written only after TensorFlow copied it
+    away while this reference lives), else a copy of a small value, else
+    nothing (reference variables are written in place: always moved)."""
+    if read.op.type == "ReadVariableOp" and value.base is not None:
+        value.flags.writeable = False
+        return ("buffer", value)
+    if value.nbytes <= _SMALL and value.dtype != object:
+        return ("bytes", value.copy())
+    return None
+
+
+def _unchanged(kept, value):
+    kind, kept = kept
+    if kept.shape != value.shape or kept.dtype != value.dtype:
+        return False
+    if kind == "buffer":
+        return _address(kept) == _address(value)
+    return kept.tobytes() == value.tobytes()
 
 
 class _VariableSync:
@@ -17,11 +87,27 @@ class _VariableSync:
     (fed), so the user's graph gets no new op. The copy side uses ops of its
     own, on their own handles to the same variables, so a sync never runs an
     instrumentation routine placed on a variable op.
+
+    Only what changed moves: into the shadow, the user variables whose
+    buffer is not the one kept at the last sync (reference variables, which
+    TensorFlow updates in place, always move); out of it, the variables
+    that ops run in the shadow since may have written.
     """
 
     def __init__(self, shadow):
         self.shadow = shadow
         self._copy_ops = {}
+        self._found = (None, [])          # (user graph version, _variables())
+        self._present = (None, set())     # (copy version, op names of the copy)
+        self._callables = _Callables()
+        self._snapshots = {}              # resource variable name -> user buffer, as the shadow holds it
+        self.writes = _Writes(shadow)
+
+    def forget(self):
+        """The shadow session was made anew: it holds nothing of the user's."""
+        self._snapshots.clear()
+        self._callables.clear()
+        self.writes.dirty = set()
 
     def _variables(self):
         """(name, read tensor in user graph, assign op in user graph) per variable.
@@ -35,6 +121,8 @@ class _VariableSync:
         variable as its value.
         """
         graph = self.shadow.user_graph
+        if self._found[0] == graph.version:
+            return self._found[1]
         found = []
         for op in graph.get_operations():
             if op.type == "VarHandleOp":
@@ -53,17 +141,21 @@ class _VariableSync:
                           None)
             if read is not None:
                 found.append((op.name, read, assign))
+        self._found = (graph.version, found)
         return found
 
-    def _read(self, run, session, tensors):
-        """Values of the initialised variables: {index: value}."""
+    def _read(self, session, tensors):
+        """Values of the initialised variables: {index: value}, aliasing
+        the session's buffers where all are initialised."""
+        if not tensors:
+            return {}
         try:
-            return dict(enumerate(run(session, list(tensors))))
+            return dict(enumerate(self._callables.run(session, tensors)))
         except tf.errors.FailedPreconditionError:
             values = {}
             for i, tensor in enumerate(tensors):
                 try:
-                    values[i] = run(session, tensor)
+                    values[i] = _original_run(session, tensor)
                 except tf.errors.FailedPreconditionError:
                     pass
             return values
@@ -72,7 +164,9 @@ class _VariableSync:
         """(placeholder, assign op, read tensor) in the copy per variable that
         the copy has; built on first need (the copy is ours to extend)."""
         copy, ops = self.shadow.copy, self._copy_ops
-        present = {op.name for op in copy.get_operations()}
+        if self._present[0] != copy.version:
+            self._present = (copy.version, {op.name for op in copy.get_operations()})
+        present = self._present[1]
         missing = [(name, read) for name, read, _ in variables
                    if name not in ops and name in present]
         if missing:
@@ -82,43 +176,144 @@ class _VariableSync:
         return ops
 
     def into_shadow(self):
-        """User session -> shadow session (initialised variables only)."""
+        """User session -> shadow session (initialised variables whose value
+        the shadow may not hold)."""
         variables = self._variables()
-        values = self._read(_original_run, self.shadow.user_session, [r for _, r, _ in variables])
+        values = self._read(self.shadow.user_session, [r for _, r, _ in variables])
         side = self._copy_side(variables)
-        assigns, feeds = [], {}
+        dirty = self.writes.dirty
+        moved = []   # (name, value)
         for i, value in values.items():
-            entry = side.get(variables[i][0])
-            if entry is None:
+            name = variables[i][0]
+            if name not in side:
                 continue
-            placeholder, assign, _ = entry
-            assigns.append(assign)
-            feeds[placeholder] = value
-        if assigns:
-            _original_run(self.shadow.session, assigns, feeds)
+            kept = self._snapshots.get(name)
+            if (kept is not None and dirty is not ALL and name not in dirty
+                    and _unchanged(kept, value)):
+                continue   # the shadow holds this value already
+            moved.append((name, value))
+        if moved:
+            self._assign(self.shadow.session, [side[n][0] for n, _ in moved],
+                         [side[n][1] for n, _ in moved], [side[n][2] for n, _ in moved],
+                         [v for _, v in moved])
+        for name, value in moved:
+            self._remember(name, variables, value)
+        self.writes.dirty = set()
+
+    def _remember(self, name, variables, value):
+        """Keep what tells later whether the user's value is still the one
+        the shadow holds (`_snapshot`)."""
+        read = next(r for n, r, _ in variables if n == name)
+        kept = _snapshot(value, read)
+        if kept is None:
+            self._snapshots.pop(name, None)
+        else:
+            self._snapshots[name] = kept
+
+    def _assign(self, session, feeds, assigns, reads, values):
+        """Run ``assigns`` fed with ``values``; then read the variables back
+        (aliasing) and, if TensorFlow adopted a fed buffer instead of copying
+        it (the variable would share memory with the other session), assign
+        copies. Returns the values read back."""
+        self._callables.run(session, feeds=feeds, values=values, targets=assigns)
+        now = self._callables.run(session, reads)
+        if any(b.base is not None and a.size and _address(a) == _address(b)
+               for a, b in zip(now, values)):
+            self._callables.run(session, feeds=feeds, values=[np.array(v) for v in values],
+                                targets=assigns)
+            now = self._callables.run(session, reads)
+        return now
 
     def out_of_shadow(self):
-        """Shadow session -> user session (variables initialised in the shadow)."""
+        """Shadow session -> user session (variables the shadow's runs may
+        have written since it got them)."""
         if getattr(self.shadow.user_session, "_closed", False) or self.shadow.session is None:
             return  # the user closed it inside the scope: its state is gone anyway
+        dirty = self.writes.dirty
+        if dirty is not ALL and not dirty:
+            return
         variables = self._variables()
         side = self._copy_side(variables)
-        variables = [v for v in variables if v[0] in side]
-        values = self._read(_original_run, self.shadow.session,
-                            [side[name][2] for name, _, _ in variables])
-        assigns, feeds, missing = [], {}, []
+        variables = [v for v in variables
+                     if v[0] in side and (dirty is ALL or v[0] in dirty)]
+        values = self._read(self.shadow.session, [side[name][2] for name, _, _ in variables])
+        written, missing = [], []
         for i, value in values.items():
             name, _, assign = variables[i]
-            if assign is None:
-                missing.append(name)
-                continue
-            assigns.append(assign)
-            feeds[assign.inputs[1]] = value
-        if assigns:
-            _original_run(self.shadow.user_session, assigns, feeds)
+            (missing if assign is None else written).append((variables[i], value))
+        if written:
+            now = self._assign(self.shadow.user_session, [v[2].inputs[1] for v, _ in written],
+                               [v[2] for v, _ in written], [v[1] for v, _ in written],
+                               [value for _, value in written])
+            all_variables = self._variables()
+            for ((name, _, _), _), value in zip(written, now):
+                self._remember(name, all_variables, value)
+        self.writes.dirty = set()
         if missing:
             warnings.warn("amanda could not hand these variables back to the user session "
-                          f"(no fed assign op that runs alone): {', '.join(missing)}")
+                          f"(no fed assign op that runs alone): "
+                          f"{', '.join(v[0] for v, _ in missing)}")
+
+
+class _Writes:
+    """Which variables the shadow's runs may have written since the last
+    sync (``dirty``: names, or `ALL`), from the ops each run can execute:
+    the ancestors of its fetches and targets in the copy. An op reading a
+    variable's handle or reference that is not a known read writes it; an op
+    whose variable is not known (a handle passed on), and a function call
+    while a function of the copy makes variables of its own, write all."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+        self.dirty = set()
+        self._memo = (None, {})   # (copy version, {run key: names or ALL})
+
+    def ran(self, elements):
+        if self.dirty is ALL:
+            return
+        copy = self.shadow.copy
+        if self._memo[0] != copy.version:
+            self._memo = (copy.version, {})
+        key = tuple(e.name for e in elements)
+        found = self._memo[1].get(key, False)
+        if found is False:
+            found = self._memo[1][key] = self._written([e if isinstance(e, tf.Operation) else e.op
+                                                        for e in elements])
+        self.dirty = ALL if found is ALL else self.dirty | found
+
+    def _written(self, ops):
+        functions = getattr(self.shadow.copy, "_functions", None)
+        own_variables = functions is None or any(
+            node.op in _VARIABLE_OPS for f in functions.values()
+            for node in f.definition.node_def)
+        seen, stack, written = set(), list(ops), set()
+        while stack:
+            op = stack.pop()
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            if own_variables and _calls_function(op):
+                return ALL
+            for tensor in op.inputs:
+                stack.append(tensor.op)
+                if op.type in _READ_ONLY or not _is_state(tensor.dtype):
+                    continue
+                if tensor.op.type not in _VARIABLE_OPS:
+                    return ALL
+                written.add(tensor.op.name)
+            stack.extend(op.control_inputs)
+        return frozenset(written)
+
+
+def _is_state(dtype):
+    return dtype == tf.resource or dtype._is_ref_dtype
+
+
+def _calls_function(op):
+    for value in op.node_def.attr.values():
+        if value.HasField("func") or (value.HasField("list") and len(value.list.func)):
+            return True
+    return op.type in getattr(op.graph, "_functions", {})
 
 
 def _runs_alone(op):
