@@ -41,9 +41,6 @@ class ConvAndInPlace(torch.nn.Module):
         return self.lin(h.mean((2, 3)))
 
 
-@pytest.mark.xfail(strict=True, reason="an nn.Conv2d's conv2d (called from _conv_forward) and an "
-                   "in-place += get other op ids in compiled graphs than eagerly; the reason the "
-                   "compiled path is opt-in (docs/pytorch-compiled.md)")
 def test_compiled_ops_have_the_ids_of_eager():
     model = torch.compile(ConvAndInPlace(), backend="eager")
     x = torch.randn(1, 3, 8, 8)

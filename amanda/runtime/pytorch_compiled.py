@@ -51,6 +51,7 @@ from amanda import controls
 from amanda.context import OpContext
 from amanda.errors import BackendError
 from amanda.passes.instrumentation import _run_points
+from amanda.runtime import pytorch_compiled_sites as _sites
 from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
     _MODULE_FILE,
@@ -106,6 +107,7 @@ def install():
     from torch._dynamo import eval_frame
     _PATCH["original"] = eval_frame._callback_from_stance
     eval_frame._callback_from_stance = _pick_callback
+    _sites.install()
 
 
 def uninstall():
@@ -115,6 +117,7 @@ def uninstall():
         from torch._dynamo import eval_frame
         eval_frame._callback_from_stance = original
         _PATCH["original"] = None
+    _sites.uninstall()
 
 
 def _pick_callback(callback):
@@ -328,7 +331,8 @@ class _WatchedFrames:
         _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else _FUNCTION
         _tls.code = frame.f_code
         try:
-            result = self.inner(frame, cache_entry, frame_state)
+            with _sites.tracing():        # nodes get the sites eager gives their ops
+                result = self.inner(frame, cache_entry, frame_state)
         finally:
             _tls.breaks = _tls.owner = _tls.code = None
         reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
@@ -397,10 +401,13 @@ _OPS = {}
 
 def _custom_ops():
     if not _OPS:
-        observe = torch.library.custom_op("amanda::observe", mutates_args=())(_observe_impl)
+        # nondeterministic_seeded: fake tensor mode must not fold a routine on
+        # constant inputs (``torch.tensor(2.0)``) by running it while tracing
+        tags = (torch.Tag.nondeterministic_seeded,)
+        observe = torch.library.custom_op("amanda::observe", mutates_args=(), tags=tags)(_observe_impl)
         observe.register_fake(lambda handle, tensors: None)
         torch.fx.node.has_side_effect(torch.ops.amanda.observe.default)
-        replace = torch.library.custom_op("amanda::replace", mutates_args=())(_replace_impl)
+        replace = torch.library.custom_op("amanda::replace", mutates_args=(), tags=tags)(_replace_impl)
 
         @replace.register_fake
         def _(handle, tensors):
@@ -514,23 +521,71 @@ def insert_actions(gm, lifted, plan):
                 mapping = dict(zip(chosen, new))
                 node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
-        cursor = node
-        for action in entry.after:
-            if not isinstance(_value(node), torch.Tensor):
-                raise BackendError(f"insert_after_op on op {entry.op.type!r} (id {lifted.op_ids[name]}), "
-                                   f"which returns several tensors, is not supported in compiled graphs yet "
-                                   f"[namespace {NAMESPACE}]")
-            chosen = _selected([cursor], action, where)
-            users = [u for u in cursor.users]
-            with graph.inserting_after(cursor):
-                new = _emit(graph, action, chosen, where, _observes(action))
-            if new is not None:
-                for user in users:
-                    user.replace_input_with(cursor, new[0])
-                cursor = new[0]
+        if entry.after:
+            _insert_after(graph, node, entry.after, where)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _outputs(graph, node):
+    """Nodes standing for the op's outputs, as eager's after-point sees them:
+    the node, or for a tuple result one new ``getitem`` per tensor placed
+    right after it (with the existing getitem nodes each one replaces), or for
+    an in-place op that returns None (``x[i] = v``) its first argument."""
+    value = _value(node)
+    if isinstance(value, torch.Tensor):
+        return [node], [[]], False
+    if value is None:
+        return [node.args[0]], [[]], True
+    outputs, old, cursor = [], [], node
+    for i, item in enumerate(value):
+        if isinstance(item, torch.Tensor):
+            with graph.inserting_after(cursor):
+                cursor = graph.call_function(operator.getitem, (node, i))
+            cursor.meta.update(example_value=item)
+            outputs.append(cursor)
+            old.append([u for u in node.users if u.target is operator.getitem and u.args[1:] == (i,)
+                        and u is not cursor])
+    return outputs, old, False
+
+
+def _insert_after(graph, node, actions, where):
+    """The after-routines of one op, in order, each on the outputs the previous
+    one left; a replacement takes the place of the output in every later use."""
+    cursors, olds, no_result = _outputs(graph, node)
+    for action in actions:
+        chosen = _selected(cursors, action, where)
+        observe = _observes(action)
+        if no_result and not observe:
+            raise BackendError(f"insert_after_op on op {where[0]!r} (id {where[1]}), which returns "
+                               "None, with a routine that may replace its output, is not supported in "
+                               f"compiled graphs [namespace {NAMESPACE}]")
+        last = max(cursors, key=_position(graph))
+        if no_result:
+            last = node
+        users = {c: [u for u in c.users] + [u for o in old for u in o.users]
+                 for c, old in zip(cursors, olds)}
+        with graph.inserting_after(last):
+            new = _emit(graph, action, chosen, where, observe)
+        if new is None:
+            continue
+        mapping = dict(zip(chosen, new))
+        for i, cursor in enumerate(cursors):
+            if cursor in mapping:
+                for user in users[cursor]:
+                    user.replace_input_with(cursor, mapping[cursor])
+                    for old in olds[i]:
+                        user.replace_input_with(old, mapping[cursor])
+                for old in olds[i]:
+                    if not old.users:
+                        graph.erase_node(old)
+                cursors[i], olds[i] = mapping[cursor], []
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 class InstrumentingBackend:

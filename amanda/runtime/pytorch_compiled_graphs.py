@@ -18,6 +18,7 @@ import torch.fx
 
 from amanda.ir import Graph
 from amanda.passes.instrumentation import GraphBackend
+from amanda.runtime.pytorch_compiled_sites import MACHINERY, META_KEY
 
 NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/compiled"
 
@@ -46,23 +47,36 @@ def _value(node):
 
 
 def _raw_op(node):
-    """The torch callable an eager run would see (``get_op()``) and its name."""
+    """The torch callable an eager run would see (``get_op()``) and its name:
+    for a Python operator (``operator.iadd``...), the callable amanda's eager
+    mode receives when Python runs it on tensors (``h += 1`` is ``Tensor.add_``,
+    ``1 + x`` is ``Tensor.__radd__``), else the node's target."""
     target = node.target
     if node.op == "call_method":
         raw = getattr(torch.Tensor, target, None)
         return raw, target
     if getattr(target, "__module__", None) in ("_operator", "operator"):
-        name = target.__name__.rstrip("_")
-        raw = getattr(torch.Tensor, name, None) or getattr(torch.Tensor, f"__{name}__", None)
-        if raw is not None:      # x + y reaches an eager run as Tensor.add: named "add"
+        from amanda.runtime.pytorch_compiled_sites import eager_callable
+        raw = eager_callable(target, node.args, _value)
+        if raw is None:    # not runnable on meta tensors: the method of the same name
+            name = target.__name__.strip("_")
+            raw = getattr(torch.Tensor, name, None) or getattr(torch.Tensor, f"__{name}__", None)
+        if raw is not None:
             return raw, getattr(raw, "__name__", target.__name__)
     return target, getattr(target, "__name__", str(target))
+
+
+def _in_place_without_result(node):
+    """A call that returns None after modifying its first argument, a tensor
+    (``x[i] = v``): eager sees it as an op whose output is that tensor."""
+    return (_value(node) is None and node.args and isinstance(node.args[0], torch.fx.Node)
+            and isinstance(_value(node.args[0]), torch.Tensor))
 
 
 def _is_point(node):
     if node.op not in ("call_function", "call_method"):
         return False
-    if not _tensors_in(_value(node)):
+    if not _tensors_in(_value(node)) and not _in_place_without_result(node):
         return False
     if node.target is operator.getitem and isinstance(_value(node.args[0]), (tuple, list)):
         return False           # an element of a tuple result: wiring, not an op
@@ -223,16 +237,15 @@ def lift_dynamo_graph(gm, owner=None):
         A `LiftedGraph`.
     """
     from amanda.frontends.pytorch_graph import tensor_attrs
-    from amanda.runtime.pytorch import _stable_id
 
     lifted = LiftedGraph()
-    values, counts, used = {}, {}, set()
-    root = _root(gm, owner)
+    values = {}
+    ids = _Ids(_root(gm, owner))
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
             lifted.fx_nodes[node.name] = node
-        elif _is_point(node):
+        elif _is_point(node) and node.meta.get(META_KEY) != MACHINERY:
             inputs = [values[a] for a in _tensor_args(node) if a in values]
             raw, name = _raw_op(node)
             op = lifted.graph.create_op(name, inputs, num_outputs=1, name=node.name,
@@ -241,19 +254,7 @@ def lift_dynamo_graph(gm, owner=None):
             lifted.fx_nodes[node.name] = node
             lifted.nodes[node.name] = node
             lifted.raw_ops[node.name] = raw
-            path, cls = _module_path(node, root)
-            qualname, line = _site(node, cls, name)
-            parts = [path, qualname, line, name]
-            n = counts.get(tuple(parts), 0)
-            counts[tuple(parts)] = n + 1
-            parts.append(n)
-            op_id = _stable_id(*parts)
-            while op_id in used:
-                parts.append("+")
-                op_id = _stable_id(*parts)
-            used.add(op_id)
-            lifted.op_ids[node.name] = op_id
-            lifted.module_paths[node.name] = path
+            lifted.op_ids[node.name], lifted.module_paths[node.name] = ids.of(node, raw, name)
         elif isinstance(_value(node), torch.Tensor):
             # a tensor made by a call that is no point (a getitem of a tuple result):
             # it stands for its producer's output in the wiring
@@ -263,9 +264,88 @@ def lift_dynamo_graph(gm, owner=None):
     return lifted
 
 
+class _Ids:
+    """Op ids of one graph's nodes, in execution order, as eager's
+    ``_Mode``/``_new_record`` give them: an op is keyed by (innermost module,
+    site code, instruction, callable); inside a module, its occurrence is the
+    number of earlier executions of that key in the step (a root module call
+    starts a step); outside any module it is 0; the id hashes (module path,
+    site's qualified name, site's line, op name, occurrence), and a second key
+    with the same parts appends "+" until the id is free."""
+
+    def __init__(self, root):
+        self.root = root
+        self.counts = {}
+        self.keys = {}          # op id -> key
+        self.step = None        # Dynamo's key of the root module call of the step
+
+    def of(self, node, raw, name):
+        from amanda.runtime.pytorch import _stable_id
+        path, cls = _module_path(node, self.root)
+        site = node.meta.get(META_KEY)
+        if site is None:        # a node made outside amanda's tracing: read from its metadata
+            qualname, line = _site(node, cls, name)
+            where = (qualname, line)
+        else:
+            code, line, offset = site
+            qualname, where = code.co_qualname, (id(code), offset)
+        key = (path,) + where + (raw,)
+        if path is None:
+            n = 0               # outside modules, an op is its site
+        else:
+            stack = node.meta.get("nn_module_stack")
+            first = next(iter(stack)) if stack else None
+            if self.root[0] is None and first != self.step:
+                self.step = first          # a root module call of a compiled function
+                self.counts.clear()
+            n = self.counts.get(key, 0)
+            self.counts[key] = n + 1
+        parts = [path, qualname, line, name, n]
+        op_id = _stable_id(*parts)
+        while self.keys.setdefault(op_id, key) != key:
+            parts.append("+")                # distinct sites, distinct ids
+            op_id = _stable_id(*parts)
+        return op_id, path
+
+
 # -- code Dynamo makes for a frame -------------------------------------------------------
 
 _PLAIN_FRAMES = frozenset([(_MODULE_FILE, "_wrapped_call_impl"), (_MODULE_FILE, "_call_impl")])
+
+
+#: Dynamo's reason for running a frame that holds no tensor, module or torch
+#: import as plain Python (``PreTrainedConfig.__getattribute__``, read by the
+#: code Dynamo makes for transformers' output wrappers)
+_NO_TENSOR = "no tensor-related objects found in frame"
+
+
+def _torch_object(value):
+    module = getattr(value, "__module__", None) if not isinstance(value, type(sys)) \
+        else value.__name__
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
+
+
+def _reaches_torch(frame):
+    """Whether a frame Dynamo runs as plain Python could call torch itself: a
+    global or builtin name it reads, or a variable of its closure, is a torch
+    module or an object of torch's (``zeros`` imported from torch). The
+    functions it calls are frames of their own, which Dynamo compiles or this
+    module watches; only a torch callable reached through an attribute of an
+    argument (``self.f = torch.zeros``) is not seen here."""
+    code = frame.f_code
+    scopes = (frame.f_globals, frame.f_builtins)
+    for name in code.co_names:
+        for scope in scopes:
+            if name in scope and _torch_object(scope[name]):
+                return True
+    for name in code.co_freevars:
+        try:
+            value = frame.f_locals.get(name)
+        except Exception:
+            return True
+        if _torch_object(value):
+            return True
+    return False
 
 
 def _graph_breaks():
@@ -292,6 +372,8 @@ def _outside_graphs(frame, result, breaks, call):
             return None
         reason = getattr(result, "skip_reason", None) or "no reason given"
         if call.compiled and reason == "frame is in the Dynamo skipfiles list":
+            return None
+        if reason == _NO_TENSOR and not _reaches_torch(frame):
             return None
         return "frame skipped by Dynamo: " + reason
     if any(name.startswith("__resume_at_") for name in code.co_names):

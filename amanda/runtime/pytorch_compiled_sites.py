@@ -1,0 +1,150 @@
+"""Where an op of a compiled graph is called from, as eager PyTorch would say.
+
+Eager amanda identifies an op by the frame that calls it (`pytorch_sites._calling_site`:
+the first frame outside torch's internals and amanda's runtime, never above
+the module call that runs it), the instruction in that frame, the innermost
+module and the op's callable. Dynamo's FX graphs carry only part of this:
+``meta["stack_trace"]`` leaves out every frame inside ``torch/nn/modules`` (so
+the ``conv2d`` that ``nn.Conv2d._conv_forward`` calls has no frame of its own)
+and names functions, not their qualified names. So while Dynamo traces a
+frame for amanda (`tracing`), each node it creates is given the site eager
+would pick, read from Dynamo's stack of instruction translators (one per
+Python frame it inlines): ``node.meta["amanda_site"] = (code, line,
+offset)``, or `MACHINERY` for a call torch's checkpointing machinery makes.
+
+And the callable an eager run sees for a Python operator (``h += 1`` reaches
+amanda's ``TorchFunctionMode`` as ``Tensor.add_``, ``1 + x`` as
+``Tensor.__radd__``), found by running the operator on meta tensors under a
+mode that records what it receives (`eager_callable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from amanda.runtime.pytorch_sites import _BOUNDARY, _MACHINERY, _SITE, _code_kind
+
+#: ``node.meta["amanda_site"]`` of a call made by torch's checkpointing machinery
+MACHINERY = "machinery"
+META_KEY = "amanda_site"
+
+_local = threading.local()
+_PATCH = {"original": None}
+
+
+def install():
+    """Wrap Dynamo's ``SubgraphTracer.create_proxy`` (a no-op outside `tracing`)."""
+    if _PATCH["original"] is not None:
+        return
+    from torch._dynamo.output_graph import SubgraphTracer
+    original = SubgraphTracer.create_proxy
+
+    def create_proxy(self, kind, *args, **kwargs):
+        proxy = original(self, kind, *args, **kwargs)
+        if getattr(_local, "tracing", 0) and kind in ("call_function", "call_method"):
+            try:
+                proxy.node.meta[META_KEY] = _site(self.output_graph.current_tx)
+            except Exception:    # a Dynamo layout not known here: no site, ids as before
+                pass
+        return proxy
+
+    _PATCH["original"] = original
+    SubgraphTracer.create_proxy = create_proxy
+
+
+def uninstall():
+    original = _PATCH["original"]
+    if original is not None:
+        from torch._dynamo.output_graph import SubgraphTracer
+        SubgraphTracer.create_proxy = original
+        _PATCH["original"] = None
+
+
+@contextlib.contextmanager
+def tracing():
+    """Nodes Dynamo creates in this thread inside the block get their eager site."""
+    _local.tracing = getattr(_local, "tracing", 0) + 1
+    try:
+        yield
+    finally:
+        _local.tracing -= 1
+
+
+def _module_entry(tx):
+    """Whether ``tx`` runs a module's ``forward`` that Dynamo inlined for a
+    module call (eager's walk stops below ``Module.__call__``)."""
+    if tx.f_code.co_name != "forward":
+        return False
+    from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
+    owner = getattr(tx, "symbolic_locals", {}).get("self")
+    return isinstance(owner, (NNModuleVariable, UnspecializedNNModuleVariable))
+
+
+def _where(tx):
+    instruction = tx.current_instruction
+    positions = getattr(instruction, "positions", None)
+    line = positions.lineno if positions is not None and positions.lineno is not None else tx.lineno
+    return tx.f_code, line, instruction.offset
+
+
+def _site(tx):
+    """eager's `_calling_site`, over Dynamo's translators instead of frames:
+    (code, line, instruction offset) of the frame that identifies the op."""
+    kind = _code_kind(tx.f_code)
+    while kind is not _SITE and kind is not _BOUNDARY:
+        if kind is _MACHINERY:
+            return MACHINERY
+        back = getattr(tx, "parent", None)
+        if back is None or _module_entry(tx):
+            break
+        tx, kind = back, _code_kind(back.f_code)
+    return _where(tx)
+
+
+# -- the callable eager sees for a Python operator -------------------------------------------
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.seen is None:
+            self.seen = func
+        return func(*args, **(kwargs or {}))
+
+
+_CALLABLES = {}
+
+
+def eager_callable(target, args, value_of):
+    """The torch callable amanda's eager mode receives when Python runs the
+    operator ``target`` (``operator.iadd``...) on ``args``: the operator is
+    run on meta tensors of the same shapes and dtypes under a recording mode.
+    None when it cannot be run so (the caller keeps its static mapping)."""
+    probe, key = [], [target]
+    for arg in args:
+        value = value_of(arg) if isinstance(arg, torch.fx.Node) else arg
+        if isinstance(value, torch.Tensor):
+            # size-1 dims broadcast with anything; the callable does not depend on sizes
+            probe.append(torch.empty((1,) * value.dim(), dtype=value.dtype, device="meta"))
+            key.append((value.dtype, value.dim()))
+        elif isinstance(value, (bool, int, float, complex)) and not isinstance(arg, torch.fx.Node):
+            probe.append(value)
+            key.append(type(value))
+        else:
+            return None
+    key = tuple(key)
+    if key not in _CALLABLES:
+        recorder = _Recorder()
+        try:
+            with recorder:
+                target(*probe)
+        except Exception:
+            recorder.seen = None
+        _CALLABLES[key] = recorder.seen
+    return _CALLABLES[key]
