@@ -383,6 +383,29 @@ def _calls_module(x):
     return torch.sigmoid(_tree(x)) + 1
 
 
+class Operators(torch.nn.Module):
+    """Several ops of one name on one line, Python operators (reflected and
+    in-place), an item assignment and an op with a tuple result."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x) + 1 + x * 2 + (1 - x)
+        y += 1
+        y[:, 0] = 0.5
+        a, b = torch.split(y, 4, dim=1)
+        return torch.cat([b, a], dim=1) * 2
+
+
+_block = Block()
+
+
+def _calls_a_module_twice(x):
+    return torch.tanh(_block(x)) + _block(torch.sin(x))
+
+
 def _make_nested_function():
     def nested_function(x):
         return torch.cos(torch.sin(x)) * 3
@@ -395,6 +418,8 @@ UNBROKEN = {
     "no break: module tree": lambda: Tree(),
     "no break: function calling a module": lambda: _calls_module,
     "no break: nested function": _make_nested_function,
+    "no break: operators": lambda: Operators(),
+    "no break: a module called twice": lambda: _calls_a_module_twice,
 }
 PROGRAMS = {
     **UNBROKEN,

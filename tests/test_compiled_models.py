@@ -1,0 +1,153 @@
+"""Compiled PyTorch on real models, by difference with eager: the same
+(op id, op name, point) executions, and identity routines that leave the
+compiled outputs bit-identical (amanda.runtime.pytorch_compiled)."""
+
+import collections
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import amanda  # noqa: E402
+from amanda import portable  # noqa: E402
+from amanda.runtime import pytorch_compiled  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _compiled_path():
+    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    pytorch_compiled.ENABLED = saved
+
+
+class CountPoints(amanda.Tool):
+    """Counts every (op id, op name, point) execution, before and after every forward op."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        key = (context.get_op_id(), context.get_op_name())
+        context.insert_before_op(self.count, key=key + ("before",))
+        context.insert_after_op(self.count, key=key + ("after",))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+class Identity(amanda.Tool):
+    """A routine before and after every op that gives its tensors back: a
+    Python routine (``amanda::replace`` in the graph) or a portable one."""
+
+    def __init__(self, portable_routine):
+        super().__init__()
+        self.routine = _same if portable_routine else self.same
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        context.insert_before_op(self.routine)
+        context.insert_after_op(self.routine)
+
+    def same(self, *tensors):
+        return list(tensors)
+
+
+@portable.routine
+def _same(*tensors):
+    return list(tensors)
+
+
+def _points(model, x, compiled_path, calls=2):
+    pytorch_compiled.ENABLED = compiled_path
+    tool = CountPoints()
+    with torch.no_grad(), amanda.apply(tool):
+        for _ in range(calls):
+            model(x)
+    return tool.executions
+
+
+def _constants(x):
+    flag = torch.tensor(True)
+    return torch.where(flag, x, x * 2) + torch.tensor(2.0)
+
+
+def test_routines_on_constants_run_once_per_call():
+    """Fake tensor mode folds ops on constants (``torch.tensor(2.0)``) by
+    running them while AOTAutograd traces; a routine must not run then."""
+    compiled = torch.compile(_constants, backend="aot_eager")
+    x = torch.rand(3)
+    eager = _points(compiled, x, compiled_path=False)
+    assert _points(compiled, x, compiled_path=True) == eager
+    assert eager and set(eager.values()) == {2}
+
+
+# -- transformers models from small random configs --------------------------------------
+
+def _model(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "bert":
+        config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                         intermediate_size=128)
+        return transformers.BertModel(config).eval(), torch.randint(0, 1000, (2, 8))
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2)
+        return transformers.GPT2Model(config).eval(), torch.randint(0, 1000, (2, 8))
+    if name == "resnet":
+        config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])
+        return transformers.ResNetModel(config).eval(), torch.rand(2, 3, 32, 32)
+    if name == "vit":
+        config = transformers.ViTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                                        intermediate_size=128, image_size=32, patch_size=8)
+        return transformers.ViTModel(config).eval(), torch.rand(2, 3, 32, 32)
+    raise KeyError(name)
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+MODELS = ["bert", "gpt2", "resnet", "vit"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_models_have_the_points_and_ids_of_eager(name, backend):
+    model, x = _model(name)
+    compiled = torch.compile(model, backend=backend)
+    eager = _points(compiled, x, compiled_path=False)
+    fallbacks = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    observed = _points(compiled, x, compiled_path=True)
+    assert pytorch_compiled.EAGER_FALLBACKS == fallbacks      # it ran compiled
+    assert len(eager) >= 50          # points of tens of ops (before and after)
+    assert observed == eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("portable_routine", [False, True], ids=["python", "portable"])
+@pytest.mark.parametrize("name", MODELS)
+def test_models_identity_routines_keep_compiled_outputs(name, portable_routine):
+    model, x = _model(name)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        expected = _tensors(compiled(x))          # vanilla compiled
+        fallbacks = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+        with amanda.apply(Identity(portable_routine)):
+            outputs = [_tensors(compiled(x)) for _ in range(2)]
+        again = _tensors(compiled(x))             # vanilla again, after apply
+    assert pytorch_compiled.EAGER_FALLBACKS == fallbacks
+    assert expected
+    for out in outputs + [again]:
+        assert len(out) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected))
