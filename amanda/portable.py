@@ -44,6 +44,7 @@ import sys
 import numpy as np
 
 from amanda.errors import AmandaError, describe
+from amanda.portable_infer import Verdict, explain, inference  # noqa: F401
 from amanda.runtime import lazy_module
 
 NAMESPACE = "amanda/portable"
@@ -54,15 +55,32 @@ class PortableError(AmandaError):
     """A routine marked portable did something outside the vocabulary."""
 
 
+#: Whether unmarked routines are examined and lowered natively when they are
+#: pure tensor arithmetic (:mod:`amanda.portable_infer`); see also `inference`.
+infer = True
+
+
 def routine(func):
     """Mark ``func`` as a portable routine and return it unchanged."""
-    setattr(func, _MARK, True)
+    setattr(getattr(func, "__func__", func), _MARK, True)
+    return func
+
+
+def hosted(func):
+    """Mark ``func`` as never portable (always a Python callback) and return it."""
+    setattr(getattr(func, "__func__", func), _MARK, False)
     return func
 
 
 def is_portable(func):
-    """Whether ``func`` (a function, or a bound method of one) is marked portable."""
-    return bool(getattr(getattr(func, "__func__", func), _MARK, False))
+    """Whether ``func`` (a function, or a bound method of one) lowers natively:
+    it is marked with `routine`, or unmarked and inferred to be pure tensor
+    arithmetic while `infer` is on (:func:`explain` says why)."""
+    mark = getattr(getattr(func, "__func__", func), _MARK, None)
+    if mark is not None or not infer:
+        return bool(mark)
+    from amanda.portable_infer import verdict
+    return verdict(func).portable
 
 
 # ---------------------------------------------------------------------------
