@@ -1,0 +1,250 @@
+"""Compiled PyTorch: the recorded actions lowered into Dynamo's FX graph
+(`insert_actions`), for `amanda.runtime.pytorch_compiled`.
+
+Python routines become calls of opaque ``torch.library`` custom ops
+(``amanda::observe``, side-effectful, used when every ``return`` of the
+routine returns None, and ``amanda::replace``, which returns new tensors and
+is straight-through for autograd), so they cause no graph break; portable
+routines (`amanda.portable.routine`) are called inside the graph and traced
+by the compiler like model code. Before-routines take the op's tensor
+arguments; after-routines its outputs as eager's after-point has them (the
+tensor, the tensors of a tuple result, or the first argument of an in-place
+op that returns None).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from amanda.errors import BackendError
+from amanda.runtime.pytorch_compiled_graphs import NAMESPACE, _tensor_args, _value
+from amanda.runtime.routines import call_routine
+
+_ROUTINES = []    # handle -> _Routine, for the custom ops
+
+
+# -- lowering actions into the graph -------------------------------------------------------
+
+class _Routine:
+    """One recorded action, called at run time (by a custom op, or inside the
+    graph for portable routines)."""
+
+    def __init__(self, action, where):
+        self.action = action
+        self.where = where
+        self.__name__ = f"amanda_{getattr(action.func, '__name__', 'routine')}"
+
+    def __call__(self, tensors):
+        new = call_routine(self.action, list(tensors), lambda v: isinstance(v, torch.Tensor), self.where,
+                           meta=lambda t: (t.shape, t.dtype) if isinstance(t, torch.Tensor) else None)
+        return new
+
+
+def _observe_impl(handle: int, tensors: list[torch.Tensor]) -> None:
+    routine = _ROUTINES[handle]
+    new = routine(tensors)
+    if new is not None:
+        raise BackendError(f"routine {routine.__name__} of op {routine.where[0]!r} returned tensors "
+                           "where the analysis routine ran it as an observer")
+
+
+def _replace_impl(handle: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    new = _ROUTINES[handle](tensors)
+    if new is None:
+        return [t.clone() for t in tensors]
+    return [t.clone() if v is None else v.detach().clone() for t, v in zip(tensors, new)]
+
+
+_OPS = {}
+
+
+def _custom_ops():
+    if not _OPS:
+        # nondeterministic_seeded: fake tensor mode must not fold a routine on
+        # constant inputs (``torch.tensor(2.0)``) by running it while tracing
+        tags = (torch.Tag.nondeterministic_seeded,)
+        observe = torch.library.custom_op("amanda::observe", mutates_args=(), tags=tags)(_observe_impl)
+        observe.register_fake(lambda handle, tensors: None)
+        torch.fx.node.has_side_effect(torch.ops.amanda.observe.default)
+        replace = torch.library.custom_op("amanda::replace", mutates_args=(), tags=tags)(_replace_impl)
+
+        @replace.register_fake
+        def _(handle, tensors):
+            return [torch.empty_like(t) for t in tensors]
+
+        def backward(ctx, grads):
+            return None, list(grads)        # straight-through: the routine is no model code
+
+        replace.register_autograd(backward)
+        _OPS["observe"] = torch.ops.amanda.observe.default
+        _OPS["replace"] = torch.ops.amanda.replace.default
+    return _OPS
+
+
+def _portable_call(routine):
+    def call(*tensors):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and routine.action.ad):
+            given = tensors if routine.action.ad else [t.detach() for t in tensors]
+            new = routine(given)
+        if new is None:
+            return tuple(tensors)
+        return tuple(old if v is None else (v if routine.action.ad else _straight(old, v))
+                     for old, v in zip(tensors, new))
+    call.__name__ = routine.__name__
+    return call
+
+
+def _straight(old, new):
+    if not old.requires_grad:
+        return new
+    return old + (new - old).detach()
+
+
+def _emit(graph, action, selected, where, observe_only):
+    """Inserts the call of one routine at the graph's cursor; returns the nodes of
+    its results (one per selected node), or None when it only observes."""
+    from amanda.portable import is_portable
+
+    routine = _Routine(action, where)
+    if is_portable(action.func):
+        call = graph.call_function(_portable_call(routine), tuple(selected))
+        return _items(graph, call, len(selected))
+    if action.ad:
+        raise BackendError(f"routine {routine.__name__} of op {where[0]!r} was recorded under "
+                           "amanda.ad_enabled(), but compiled graphs can differentiate portable "
+                           f"routines only [namespace {NAMESPACE}]")
+    ops = _custom_ops()
+    _ROUTINES.append(routine)
+    handle = len(_ROUTINES) - 1
+    if observe_only:
+        graph.call_function(ops["observe"], (handle, list(selected)))
+        return None
+    call = graph.call_function(ops["replace"], (handle, list(selected)))
+    return _items(graph, call, len(selected))
+
+
+def _items(graph, call, count):
+    """getitem nodes reading the results of ``call``, placed right after it."""
+    items, previous = [], call
+    for i in range(count):
+        item = graph.call_function(operator.getitem, (call, i))
+        previous.append(item)
+        items.append(item)
+        previous = item
+    return items
+
+
+def _observes(action):
+    """Whether a Python routine only observes: every ``return`` of its code returns
+    None (read from its bytecode). Such a routine becomes ``amanda::observe``,
+    which copies nothing; any other becomes ``amanda::replace``, whose results
+    are new tensors (copies of the inputs it kept)."""
+    func = getattr(action.func, "__func__", action.func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    import dis
+    previous = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "RETURN_VALUE":
+            if previous is None or previous.opname != "LOAD_CONST" or previous.argval is not None:
+                return False
+        elif instruction.opname == "RETURN_CONST" and instruction.argval is not None:
+            return False
+        if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
+            previous = instruction
+    return True
+
+
+def _selected(values, action, where):
+    from amanda.runtime.routines import select
+    return select(values, action.positions, action, where)
+
+
+def insert_actions(gm, lifted, plan):
+    """Inserts the recorded actions into ``gm``'s graph (in place) and recompiles it."""
+    graph = gm.graph
+    for name, entry in plan.items():
+        node = lifted.nodes[name]
+        where = (entry.op.type, lifted.op_ids[name], NAMESPACE)
+        if entry.replace:
+            raise BackendError(f"replace_op on op {entry.op.type!r} (id {lifted.op_ids[name]}) is not "
+                               f"supported in compiled graphs yet [namespace {NAMESPACE}]; run the model "
+                               "with torch.compiler.set_stance('force_eager')")
+        for action in entry.before:
+            inputs = _tensor_args(node)
+            chosen = _selected(inputs, action, where)
+            with graph.inserting_before(node):
+                new = _emit(graph, action, chosen, where, _observes(action))
+            if new is not None:
+                mapping = dict(zip(chosen, new))
+                node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
+                node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
+        if entry.after:
+            _insert_after(graph, node, entry.after, where)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _outputs(graph, node):
+    """Nodes standing for the op's outputs, as eager's after-point sees them:
+    the node, or for a tuple result one new ``getitem`` per tensor placed
+    right after it (with the existing getitem nodes each one replaces), or for
+    an in-place op that returns None (``x[i] = v``) its first argument."""
+    value = _value(node)
+    if isinstance(value, torch.Tensor):
+        return [node], [[]], False
+    if value is None:
+        return [node.args[0]], [[]], True
+    outputs, old, cursor = [], [], node
+    for i, item in enumerate(value):
+        if isinstance(item, torch.Tensor):
+            with graph.inserting_after(cursor):
+                cursor = graph.call_function(operator.getitem, (node, i))
+            cursor.meta.update(example_value=item)
+            outputs.append(cursor)
+            old.append([u for u in node.users if u.target is operator.getitem and u.args[1:] == (i,)
+                        and u is not cursor])
+    return outputs, old, False
+
+
+def _insert_after(graph, node, actions, where):
+    """The after-routines of one op, in order, each on the outputs the previous
+    one left; a replacement takes the place of the output in every later use."""
+    cursors, olds, no_result = _outputs(graph, node)
+    for action in actions:
+        chosen = _selected(cursors, action, where)
+        observe = _observes(action)
+        if no_result and not observe:
+            raise BackendError(f"insert_after_op on op {where[0]!r} (id {where[1]}), which returns "
+                               "None, with a routine that may replace its output, is not supported in "
+                               f"compiled graphs [namespace {NAMESPACE}]")
+        last = max(cursors, key=_position(graph))
+        if no_result:
+            last = node
+        users = {c: [u for u in c.users] + [u for o in old for u in o.users]
+                 for c, old in zip(cursors, olds)}
+        with graph.inserting_after(last):
+            new = _emit(graph, action, chosen, where, observe)
+        if new is None:
+            continue
+        mapping = dict(zip(chosen, new))
+        for i, cursor in enumerate(cursors):
+            if cursor in mapping:
+                for user in users[cursor]:
+                    user.replace_input_with(cursor, mapping[cursor])
+                    for old in olds[i]:
+                        user.replace_input_with(old, mapping[cursor])
+                for old in olds[i]:
+                    if not old.users:
+                        graph.erase_node(old)
+                cursors[i], olds[i] = mapping[cursor], []
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
