@@ -514,3 +514,35 @@ def test_actions_compiled_graphs_cannot_carry_fall_back_to_eager():
     assert not torch.equal(out, model(x))
     assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
     assert any("replace_op" in reason for reason in pytorch_compiled.EAGER_FALLBACKS)
+
+
+@torch.compile(backend="eager")
+def _compiled_helper(x):
+    return torch.nn.functional.gelu(x) * 2
+
+
+class CallsCompiledParts(torch.nn.Module):
+    """An eager module calling a compiled function twice and a compiled submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.out = torch.compile(torch.nn.Linear(8, 8), backend="eager")
+
+    def forward(self, x):
+        return self.out(_compiled_helper(self.fc(x)) + _compiled_helper(x))
+
+
+def test_compiled_parts_of_an_eager_module_have_the_ids_of_eager():
+    """Eager names these ops by the calling module's path and counts the
+    helper's two calls as two occurrences; they run eagerly inside apply."""
+    torch.manual_seed(0)
+    model, x = CallsCompiledParts(), torch.rand(2, 8)
+    eager = _points(model, x, compiled_path=False)
+    before = pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._NESTED]
+    assert _points(model, x, compiled_path=True) == eager
+    assert pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._NESTED] > before
+    with torch.no_grad():
+        expected = model(x)
+        with amanda.apply(Identity()):
+            assert torch.equal(model(x), expected)

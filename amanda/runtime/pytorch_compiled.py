@@ -137,6 +137,8 @@ def _pick_callback(callback):
         return None            # backward points / whole graphs: the eager runtime (see the docs)
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
+    elif _inside_a_module(st, callback):
+        return None            # its ops' ids depend on the calling module: eagerly
     else:
         choice = _instrumented(session, callback)
     cleanups = _caller_cleanups()
@@ -146,6 +148,28 @@ def _pick_callback(callback):
     call = _Call(st, choice, callback)
     cleanups.append(call.resume)
     return choice(chosen)
+
+
+_NESTED = "compiled callable called inside a module that runs eagerly"
+_NESTED_SEEN = {}     # id(user callback) -> user callback, counted in EAGER_FALLBACKS
+
+
+def _inside_a_module(st, callback):
+    """Whether the compiled call runs inside a module's call that amanda
+    tracks eagerly (a compiled function or submodule called from an eager
+    ``forward``; torch.compile's own ``OptimizedModule`` does not count).
+    Eager gives such ops the calling module's path and counts their
+    occurrences across calls in the step; a compiled graph, analysed once
+    for every caller, cannot, so the call runs eagerly (counted once per
+    callable in `EAGER_FALLBACKS`)."""
+    from amanda.runtime.pytorch_mode import _below_wrappers
+    modules = st.modules
+    if not modules or not _below_wrappers(modules):
+        return False
+    if _NESTED_SEEN.get(id(callback)) is not callback:
+        _NESTED_SEEN[id(callback)] = callback
+        EAGER_FALLBACKS[_NESTED] += 1
+    return True
 
 
 def _vanilla(callback):
