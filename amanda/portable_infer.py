@@ -183,7 +183,18 @@ def _global_kind(func, name, depth, seen):
                    "functions are read from them)")
 
 
+_STORES = {"STORE_ATTR": "it sets attribute {}", "DELETE_ATTR": "it deletes attribute {}",
+           "STORE_GLOBAL": "it assigns global {}", "DELETE_GLOBAL": "it deletes global {}",
+           "STORE_DEREF": "it assigns {} of an enclosing scope",
+           "STORE_SUBSCR": "it assigns into a container", "DELETE_SUBSCR": "it deletes an item",
+           "IMPORT_NAME": "it imports {}", "RAISE_VARARGS": "it raises",
+           "YIELD_VALUE": "it yields"}
+
+
 def _simulate(func, code, local, cells, depth, seen):
+    for ins in dis.get_instructions(code):   # the plainest reasons first
+        if ins.opname in _STORES:
+            raise _Refused(_STORES[ins.opname].format(repr(ins.argval)))
     stack = []
 
     def pop(n=1):

@@ -106,7 +106,11 @@ def test_marking_works_on_functions_and_methods():
             return w
 
     assert P.is_portable(Tool().mask) and P.is_portable(everything)
-    assert not P.is_portable(Tool().other) and not P.is_portable(print)
+    assert not P.is_portable(print)
+    # unmarked: inferred portable (amanda.portable_infer), unless inference is off
+    assert P.is_portable(Tool().other) and P.explain(Tool().other).how == "inferred"
+    with P.inference(False):
+        assert not P.is_portable(Tool().other) and P.is_portable(Tool().mask)
 
 
 def test_a_portable_routine_runs_unchanged_in_pytorch_eager():

@@ -117,13 +117,13 @@ def test_a_routine_error_reaches_the_user_chained(x24):
 def test_routines_that_may_replace_warn_above_disable_all(x24):
     model = mlp().SerializeToString()
     with pytest.warns(UserWarning, match="bit-identical at ORT_DISABLE_ALL"):
-        with amanda.apply(Replace(lambda h: h * 1)):
+        with amanda.apply(Replace(amanda.portable.hosted(lambda h: h * 1))):
             ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with amanda.apply(Replace(lambda h: h * 1)):
+        with amanda.apply(Replace(amanda.portable.hosted(lambda h: h * 1))):
             instrumented = ort.InferenceSession(model, options,
                                                 providers=["CPUExecutionProvider"])
     plain = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
