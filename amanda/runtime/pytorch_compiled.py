@@ -62,6 +62,7 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     lift_dynamo_graph,
 )
 from amanda.runtime.pytorch_compiled_lowering import insert_actions
+from amanda.runtime.pytorch_mode import _below_wrappers
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
 
 __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "lift_dynamo_graph",
@@ -75,10 +76,10 @@ __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "li
 #: graphs cannot show or carry (a graph break, backward routines...) runs
 #: eagerly, every op a point (see `EAGER_FALLBACKS`). False (the default):
 #: compiled callables inside ``apply`` always run eagerly (Dynamo's
-#: ``force_eager`` stance), exactly as eager. Opt-in because some ops get
-#: other ids in compiled graphs than eagerly (an ``nn.Conv2d``'s conv, an
-#: in-place ``+=``; docs/pytorch-compiled.md), which would break a tool whose
-#: state is keyed by op id across compiled and eager runs.
+#: ``force_eager`` stance), exactly as eager. Opt-in until reviewed: it was
+#: kept off because some ops got other ids compiled than eagerly (an
+#: ``nn.Conv2d``'s conv, an in-place ``+=``), which now match eager's on the
+#: tested models (docs/pytorch-compiled.md, tests/test_compiled_models.py).
 ENABLED = False
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
@@ -162,7 +163,6 @@ def _inside_a_module(st, callback):
     occurrences across calls in the step; a compiled graph, analysed once
     for every caller, cannot, so the call runs eagerly (counted once per
     callable in `EAGER_FALLBACKS`)."""
-    from amanda.runtime.pytorch_mode import _below_wrappers
     modules = st.modules
     if not modules or not _below_wrappers(modules):
         return False
