@@ -62,6 +62,7 @@ import os
 
 from amanda.errors import BackendError
 from amanda.frontends.onnx_proto import ProtoAttr, _text
+from amanda.frontends.onnx_weightless import weightless_copy
 from amanda.ir import Graph
 from amanda.ir.attrs import iter_graphs
 
@@ -208,10 +209,13 @@ def _value_types(model):
     if not produced <= set(declared):
         # data propagation computes shapes that are values (Shape -> Concat ->
         # Reshape, as exporters write); if it fails, plain inference may not
-        inferred = _inferred(onnx, model, True) or _inferred(onnx, model, False)
+        # on a copy without the large weights: inference serializes the model
+        # and parses its result (several transient copies of the weights)
+        skeleton, weights = weightless_copy(model)
+        inferred = _inferred(onnx, skeleton, True) or _inferred(onnx, skeleton, False)
         if inferred is not None:
             for name, value in _collect_types(inferred.graph).items():
-                if name not in declared:
+                if name not in declared and name not in weights:
                     # a copy: a TypeProto of ``inferred`` would keep that whole
                     # model (the weights included) alive with the IR
                     declared[name] = onnx.TypeProto()

@@ -107,7 +107,9 @@ def _call(token, key):
     chain = _chain(token)
     arrays = _STASH.pop(chain, {})
     callback = _CALLBACKS[key]
-    results = callback([arrays.get(i) for i in range(len(callback.hosted))])
+    constants = callback.constants   # weights no AmandaPut hands over
+    results = callback([arrays[i] if i in arrays else constants.get(i)
+                        for i in range(len(callback.hosted))])
     if results:   # AmandaGet nodes follow and take them
         _RESULTS[chain, key] = dict(enumerate(results))
     return np.array(chain, np.int64)
@@ -219,6 +221,11 @@ class _Callback:
         replacing: the action replaces the op.
         observe: the routine only looks: nothing reads its results (a side
             branch of the graph), so it returns nothing to onnxruntime.
+
+    Attributes:
+        constants: ``{position in hosted: read-only array}`` for initializers
+            an observe-only routine reads without an ``AmandaPut`` (set by
+            `amanda.runtime.onnx_observe._SideBranches`).
     """
 
     def __init__(self, action, where, count, hosted, out_dtypes, replacing, observe=False):
@@ -229,6 +236,7 @@ class _Callback:
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.replacing = replacing
         self.observe = observe
+        self.constants = {}
 
     def __call__(self, arrays):
         try:

@@ -21,6 +21,7 @@ from onnx import helper
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.onnx import lift, load_model
+from amanda.frontends.onnx_weightless import weightless_copy
 from amanda.passes.instrumentation import GraphBackend
 from amanda.passes.manager import PassResult
 from amanda.passes.pipeline import instrument_graph
@@ -236,7 +237,9 @@ def _complete_types(model, ir_graph):
                if t.attrs.get("dtype") is None and not t.attrs.get("absent")}
     if not unknown:
         return
-    probe = _typed_skeleton(model)
+    # large weights as inputs of the same type: no element type depends on
+    # their values, and they are not copied
+    probe = weightless_copy(model)[0]
     declared = {o.name for o in probe.graph.output}
     probe.graph.output.extend(onnx.ValueInfoProto(name=n) for n in unknown if n not in declared)
     probe.ir_version = min(probe.ir_version, MAX_IR_VERSION)
@@ -255,35 +258,6 @@ def _complete_types(model, ir_graph):
             dtype = _ORT_ELEMENT_TYPES.get(kind[7:-1])
             if dtype is not None:
                 tensor.attrs["dtype"] = dtype
-
-
-#: initializers larger than this are graph inputs of the type-completion model
-_SKELETON_BYTES = 1 << 16
-
-
-def _typed_skeleton(model):
-    """A copy of ``model`` whose large initializers are graph inputs of the
-    same type and shape: onnxruntime types its values just the same (no
-    element type depends on a tensor's value), and the weights are not
-    copied. Small ones (shape operands) stay constants."""
-    probe = onnx.ModelProto(ir_version=model.ir_version)
-    probe.opset_import.extend(model.opset_import)
-    probe.functions.extend(model.functions)
-    source, graph = model.graph, probe.graph
-    graph.name = source.name
-    graph.node.extend(source.node)
-    graph.input.extend(source.input)
-    graph.output.extend(source.output)
-    graph.value_info.extend(source.value_info)
-    graph.sparse_initializer.extend(source.sparse_initializer)
-    inputs = {i.name for i in source.input}
-    for initializer in source.initializer:
-        if initializer.ByteSize() <= _SKELETON_BYTES:
-            graph.initializer.add().CopyFrom(initializer)
-        elif initializer.name not in inputs:
-            graph.input.append(helper.make_tensor_value_info(
-                initializer.name, initializer.data_type, list(initializer.dims)))
-    return probe
 
 
 #: onnxruntime's element type names (``tensor(<name>)``) -> NumPy dtype names.

@@ -25,7 +25,7 @@ from amanda.runtime import swapped
 from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _sort_nodes)
 from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
-                                      _register_callback)
+                                      _catalog, _register_callback)
 from amanda.runtime.onnx_lowering import _Lowering
 from amanda.runtime.onnx_wire import initializer_views
 
@@ -77,9 +77,14 @@ class _SideBranches(_Lowering):
         self._declared = set()
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
+        # hosted routines' weights, read without an AmandaPut: [(callback,
+        # {position: initializer name})], bound to views by `bind`
+        self.weights = []
+        self._dropped = {}
         self.result = optimized   # owned from here on: the caller does not keep it
         self.original = model
         proto = self.result.graph
+        self._inputs = {i.name for i in proto.input}
         # onnxruntime drops initializers it folded but keeps their graph
         # inputs (IR < 4 lists every initializer as an input): give them
         # their values back, or the model would require them as feeds
@@ -97,9 +102,11 @@ class _SideBranches(_Lowering):
         self._attach(self.top, self.result.graph, self.original.graph)
         if self.fetch:
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
-            dropped = _drop_unread_initializers(self.result.graph, self.copied)
-            # not in the model the session runs: the plan keeps their values
-            self.plan.constants.update({n: _read_only(a) for n, a in dropped.items()
+        # weights copied in for routines that no node reads are not in the
+        # model the session runs: the plan or the callbacks keep their values
+        self._dropped = _drop_unread_initializers(self.result.graph, self.copied)
+        if self.plan is not None:
+            self.plan.constants.update({n: _read_only(a) for n, a in self._dropped.items()
                                         if n in self.plan.constants})
         # side-branch nodes were appended; onnxruntime wants nodes that
         # produce a value a body reads (a token) listed before the body's node
@@ -110,6 +117,62 @@ class _SideBranches(_Lowering):
         if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         return self.result
+
+    def bind(self, data):
+        """Give routines their weights as read-only views over ``data`` (the
+        serialized result, which the session cache keeps) where the wire
+        format allows, copies otherwise."""
+        graph = self.result.graph
+        if self.plan is not None:
+            self.plan.bind(data, graph)
+        names = {n for _, slots in self.weights for n in slots.values()}
+        if not names:
+            return
+        values = initializer_views(data, names)
+        for initializer in graph.initializer:
+            if initializer.name in names and initializer.name not in values:
+                values[initializer.name] = numpy_helper.to_array(initializer)
+        values.update((n, a) for n, a in self._dropped.items() if n in names)
+        for callback, slots in self.weights:
+            callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
+
+    def _hosted_callback(self, op, action, where):
+        """A top-level observe-only routine inside the run: as a side branch
+        (`RoutineNodes._callback`), except that the weights it reads reach
+        it as views (`bind`) rather than through AmandaPut nodes. So the
+        session holds each weight once (a node reading it beside a kernel
+        that prepacks it would make onnxruntime keep both) and no run copies
+        weights."""
+        inputs = list(op.inputs)
+        in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
+        hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        callback = _Callback(action, where, len(inputs), hosted, [], False, observe=True)
+        key = _register_callback(callback)
+        _catalog()
+        base = f"amanda.routine/{where[1]}"
+        token = self.last_token or self._chain_start(key)
+        weights = {}
+        for slot, i in enumerate(hosted):
+            name = self.name(inputs[i])
+            if name in self._weights_here and name not in self._inputs:
+                weights[slot] = name
+                continue
+            token = self._host_node(f"AmandaPut_{in_types[i]}", [name, token],
+                                    f"{base}/put", f"{key}:{slot}")
+        if not hosted:
+            token = self._order(op, token, base, key)
+        self.last_token = self._host_node("AmandaCall", [token], f"{base}/call", key)
+        self.hosted += 1
+        for tensor, source in zip(op.outputs, inputs):
+            self._alias(tensor, self.name(source))
+        self.uses_callbacks = True
+        if weights:
+            self.weights.append((callback, weights))
+
+    @property
+    def _weights_here(self):
+        """Names of the top graph's initializers (the copies made so far included)."""
+        return {i.name for i in self.result.graph.initializer}
 
     def _attach(self, ir_graph, proto, original):
         """Attach the routines of ``ir_graph`` to ``proto`` (its optimised
@@ -148,8 +211,10 @@ class _SideBranches(_Lowering):
         """In fetch mode a top-level routine becomes an entry of the plan:
         its tensors are fetched as extra outputs of the run and the routine
         is called after it (see `_FetchPlan`); no node is added."""
-        if not self.fetch or self.nested:
+        if self.nested:
             return super()._callback(op, action, where)
+        if not self.fetch:
+            return self._hosted_callback(op, action, where)
         inputs = list(op.inputs)
         in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
         hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]

@@ -54,6 +54,9 @@ class _Instrumented:
         side: ``(lowered IR graph, user's ModelProto)`` when every routine
             only looks (see `_SideBranches`), else None.
         optimised: side-branch models by (optimisation level, providers).
+        file: ``(path, size, mtime)`` of the file the model was read from, if
+            any: onnxruntime optimises it from there while it is unchanged
+            (no serialized copy of the model beside the loaded one).
     """
 
     def __init__(self, data, callbacks=False, inline=False, side=None):
@@ -62,6 +65,20 @@ class _Instrumented:
         self.inline = inline
         self.side = side
         self.optimised = {}
+        self.file = None
+
+    def user_model(self):
+        """What onnxruntime should read the user's model from: its file while
+        unchanged, else its bytes."""
+        if self.file is not None:
+            path, size, mtime = self.file
+            try:
+                stat = os.stat(path)
+            except OSError:
+                stat = None
+            if stat is not None and (stat.st_size, stat.st_mtime_ns) == (size, mtime):
+                return path
+        return self.side[1].SerializeToString()
 
     @property
     def data(self):
@@ -73,6 +90,7 @@ class _Instrumented:
 def _instrumented(session, source):
     """The `_Instrumented` model for ``source``, cached per amanda session by
     the SHA-256 of the model."""
+    stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
     data, model = _model_bytes(source)
     key = hashlib.sha256(data).hexdigest()
     cache = session.caches.setdefault("onnx", {})
@@ -91,6 +109,8 @@ def _instrumented(session, source):
         # optimisation level): no copy of the lowered model is kept
         del lowered, data
         hit = _Instrumented(None, True, lowering.inline, (lowering.top, model))
+        if stat is not None:
+            hit.file = os.fspath(source), stat.st_size, stat.st_mtime_ns
     else:
         del data
         hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
@@ -105,7 +125,8 @@ _OPTIONS_LOCK = threading.Lock()
 
 
 def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs):
-    """The user's model as onnxruntime optimises it with these options."""
+    """The user's model (a path or bytes) as onnxruntime optimises it with
+    these options."""
     import tempfile
     with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
         path = os.path.join(folder, "optimised.onnx")
@@ -134,7 +155,7 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
            fetch)
     found = hit.optimised.get(key)
     if found is None:
-        optimised = _optimised_by_onnxruntime(model.SerializeToString(), options, providers,
+        optimised = _optimised_by_onnxruntime(hit.user_model(), options, providers,
                                               provider_options, kwargs)
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
@@ -142,9 +163,8 @@ def _side_branch_model(hit, options, providers, provider_options, kwargs):
             del optimised   # the branches own it now
             result = branches.model()
             data = result.SerializeToString()
-            if branches.plan is not None:
-                # observed weights: views over the bytes kept here, not copies
-                branches.plan.bind(data, result.graph)
+            # observed weights: views over the bytes kept here, not copies
+            branches.bind(data)
             found = data, branches.plan, branches.eager
         except _NotSide:
             found = b"", None, False

@@ -10,6 +10,7 @@ processes, the resident memory a session inside ``apply`` adds above a
 plain session on a model with one large weight.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 
 import amanda
 from amanda import controls
+from amanda.runtime.onnx import hosted_observation
 from amanda.runtime.onnx_wire import initializer_views
-from tests.onnx.conftest import TensorProto, helper, numpy_helper, ort, same  # noqa: F401
+from tests.onnx.conftest import TensorProto, helper, numpy_helper, onnx, ort, same  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,22 +105,28 @@ def matmul_model(rows=64, cols=32):
     return model, weight
 
 
+@pytest.mark.parametrize("hosted", [False, True], ids=["fetched", "hosted"])
 @pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
                                    ort.GraphOptimizationLevel.ORT_ENABLE_ALL],
                          ids=lambda level: level.name)
-def test_observed_weights_are_views_of_the_cached_model(level):
+def test_observed_weights_are_views_of_the_cached_model(level, hosted):
+    """Fetched after the run or hosted inside it (where they used to be
+    copied by an AmandaPut every run), routines see weights as views."""
     model, weight = matmul_model()
     x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
     tool = Weights()
     options = ort.SessionOptions()
     options.graph_optimization_level = level
-    with amanda.apply(tool):
+    with amanda.apply(tool), (hosted_observation() if hosted else contextlib.nullcontext()):
         first = ort.InferenceSession(model.SerializeToString(), options,
                                      providers=["CPUExecutionProvider"])
         second = ort.InferenceSession(model.SerializeToString(), options,
                                       providers=["CPUExecutionProvider"])   # a cache hit
         kept = [data for hit in controls.state.sessions[-1].caches["onnx"].values()
                 for data, *_ in hit.optimised.values()]
+    assert all(n.domain != "ai.onnx.contrib" or "AmandaPut" not in n.op_type
+               or n.input[0] != "W"
+               for n in onnx.ModelProto.FromString(kept[0]).graph.node)
     first.run(None, {"x": x})
     second.run(None, {"x": x})
     (op1, (x1, w1)), _, (op2, (x2, w2)), _ = tool.seen
@@ -167,7 +175,12 @@ _MEASURE = textwrap.dedent("""
 
     before = rss()
     x = np.ones((1, n), np.float32)
-    if sys.argv[2] == "amanda":
+    if sys.argv[2] == "hosted":
+        with amanda.apply(Look()), amanda.runtime.onnx.hosted_observation():
+            session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+            session.run(None, {"x": x})
+            built = rss()
+    elif sys.argv[2] == "amanda":
         with amanda.apply(Look()):
             session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
             session.run(None, {"x": x})
@@ -184,14 +197,16 @@ _MEASURE = textwrap.dedent("""
 def test_an_observing_session_keeps_two_copies_of_the_weights_at_most(tmp_path):
     """A plain session holds the 64 MiB weight once; amanda's cache keeps the
     user's model and the optimised one with the side branches (the
-    routines' views of the weight point into the latter). Before, it also
-    kept the lowered model's bytes, a copy of the weight for the routines and
-    the model onnx's shape inference returned: five copies or more."""
+    routines' views of the weight point into the latter), fetched or hosted.
+    Before, it also kept the lowered model's bytes, a copy of the weight for
+    the routines (fetched) or onnxruntime kept the weight beside its
+    prepacked copy for an AmandaPut (hosted), and the model onnx's shape
+    inference returned stayed alive: five copies or more."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
     grown = {}
-    for how in ("plain", "amanda"):
+    for how in ("plain", "amanda", "hosted"):
         done = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "m.onnx"), how],
                               capture_output=True, text=True, env=env, cwd=ROOT, check=True)
         grown[how] = json.loads(done.stdout.strip().splitlines()[-1])
-    extra = grown["amanda"] - grown["plain"]
-    assert extra < 2.6 * 64, grown
+    for how in ("amanda", "hosted"):
+        assert grown[how] - grown["plain"] < 2.6 * 64, (how, grown)
