@@ -556,3 +556,29 @@ def test_compiled_parts_of_an_eager_module_have_the_ids_of_eager():
         expected = model(x)
         with amanda.apply(Identity()):
             assert torch.equal(model(x), expected)
+
+
+class SizesInOperators(torch.nn.Module):
+    """Sizes (symbolic under dynamic shapes) on both sides of Python
+    operators; the first argument of forward is not named ``self``."""
+
+    def __init__(this):
+        super().__init__()
+        this.fc = torch.nn.Linear(4, 4)
+
+    def forward(this, x):
+        n = x.shape[0]
+        y = this.fc(x) * n + n * x
+        return (2 ** y - n)[1:]
+
+
+def test_dynamic_shapes_have_the_ids_and_names_of_eager():
+    torch.manual_seed(0)
+    model = SizesInOperators()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    for rows in (3, 5):
+        x = torch.rand(rows, 4)
+        eager = _points(compiled, x, compiled_path=False)
+        assert _points(compiled, x, compiled_path=True) == eager
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before

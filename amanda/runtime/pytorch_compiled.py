@@ -227,7 +227,7 @@ class _Call:
     as the call falls back to eager (`fall_back`)."""
 
     __slots__ = ("st", "mode", "saved_hooks", "mute", "choice", "callback", "out", "entered",
-                 "compiled")
+                 "compiled", "module")
 
     def __init__(self, st, choice, callback):
         self.st = st
@@ -235,6 +235,8 @@ class _Call:
         self.callback = callback
         self.entered = []      # modules whose calls amanda's pre-hook missed (see _enter_modules)
         self.compiled = False  # a frame of this call got code from Dynamo (its graphs run)
+        called = st.modules[-1]() if st.modules else None
+        self.module = getattr(called, "_orig_mod", None)   # torch.compile(module)'s module
         torch._C._pop_torch_function_stack()
         self.mode = st.mode
         hooks = torch.nn.modules.module
@@ -324,6 +326,21 @@ def _run_eagerly():
                               apply_to_code=False)
 
 
+def _owner(frame, call):
+    """The class of the module whose method ``frame`` runs (the root of its
+    ops' module paths), or `_FUNCTION`: its first argument is a module
+    named ``self`` (a ``forward``, a decorator's wrapper of it, the
+    ``_call_impl`` of ``module.compile()``) or the module the compiled call
+    was made on (``torch.compile(module)``, whatever the argument's name)."""
+    code = frame.f_code
+    if not code.co_argcount:
+        return _FUNCTION
+    first = frame.f_locals.get(code.co_varnames[0])
+    if isinstance(first, torch.nn.Module) and (code.co_varnames[0] == "self" or first is call.module):
+        return type(first)
+    return _FUNCTION
+
+
 class _WatchedFrames:
     """Dynamo's per-frame callback for amanda's compiled calls. Dynamo calls it
     for a frame that has no cached code; the frame has not started. If the code
@@ -347,8 +364,7 @@ class _WatchedFrames:
         breaks = _graph_breaks()
         _tls.breaks = breaks
         _tls.unsupported = None
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        _tls.owner = type(owner) if isinstance(owner, torch.nn.Module) else _FUNCTION
+        _tls.owner = _owner(frame, call)
         _tls.code = frame.f_code
         try:
             with _sites.tracing():        # nodes get the sites eager gives their ops

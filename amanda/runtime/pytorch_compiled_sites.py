@@ -119,6 +119,7 @@ class _Recorder(TorchFunctionMode):
 
 
 _CALLABLES = {}
+_SYMBOLIC = {torch.SymInt: 1, torch.SymFloat: 1.0, torch.SymBool: True}
 
 
 def eager_callable(target, args, value_of):
@@ -133,8 +134,11 @@ def eager_callable(target, args, value_of):
             # size-1 dims broadcast with anything; the callable does not depend on sizes
             probe.append(torch.empty((1,) * value.dim(), dtype=value.dtype, device="meta"))
             key.append((value.dtype, value.dim()))
-        elif isinstance(value, (bool, int, float, complex)) and not isinstance(arg, torch.fx.Node):
+        elif isinstance(value, (bool, int, float, complex)):
             probe.append(value)
+            key.append(type(value))
+        elif type(value) in _SYMBOLIC:      # a size under dynamic shapes: a Python number
+            probe.append(_SYMBOLIC[type(value)])
             key.append(type(value))
         else:
             return None
@@ -145,6 +149,6 @@ def eager_callable(target, args, value_of):
             with recorder:
                 target(*probe)
         except Exception:
-            recorder.seen = None
+            pass     # an error after the mode saw the call (sizes): the callable is known
         _CALLABLES[key] = recorder.seen
     return _CALLABLES[key]
