@@ -351,9 +351,11 @@ def _trial(func, plain, bound):
                 failures.append(f"{dtype}{list(shape)}: {exc}")
                 continue
             if dtype == "bool":
-                inputs = [rng.random(shape) > 0.5 for _ in range(count)]
+                inputs = [rng.random(shape, np.float32) > 0.5 for _ in range(count)]
+            elif dtype == "int32":
+                inputs = [rng.integers(-8, 8, shape, np.int32) for _ in range(count)]
             else:
-                inputs = [(rng.standard_normal(shape) * 4).astype(dtype) for _ in range(count)]
+                inputs = [rng.standard_normal(shape, np.float32) * 4 for _ in range(count)]
             problem = _difference(graph, call, inputs)
             if problem is None:
                 return f"traced as {dtype}{list(shape)} and equal to NumPy on random values"

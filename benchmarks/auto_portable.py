@@ -9,6 +9,7 @@ Configurations, each one session created once inside ``amanda.apply``:
 
 * ``vanilla``: the plain model;
 * ``inferred (native)``: the routine as amanda infers it (``Mul`` nodes);
+* ``marked (native)``: the same routine marked ``@portable.routine``;
 * ``hosted``: the same tool under ``amanda.portable.inference(False)``, so
   every routine is a Python callback (onnxruntime-extensions).
 
@@ -28,7 +29,7 @@ import time
 from benchmarks import harness
 
 
-def _tool():
+def _tool(marked=False):
     import numpy as np
 
     import amanda
@@ -36,7 +37,7 @@ def _tool():
     def masker(mask):
         def apply(weight):
             return weight * mask
-        return apply
+        return amanda.portable.routine(apply) if marked else apply
 
     class MaskConvs(amanda.Tool):
         def __init__(self):
@@ -63,11 +64,16 @@ def benchmark(name="light_squeezenet", repeats=15, runs=5, warmup=2):
     path = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light",
                         f"{name}.onnx")
     model = onnx.load(path)
-    shape = [d.dim_value or 1 for d in model.graph.input[0].type.tensor_type.shape.dim]
-    feeds = {model.graph.input[0].name: np.random.default_rng(0).random(shape, np.float32)}
+    initializers = {i.name for i in model.graph.initializer}
+    data = next(v for v in model.graph.input if v.name not in initializers)
+    shape = [d.dim_value or 1 for d in data.type.tensor_type.shape.dim]
+    feeds = {data.name: np.random.default_rng(0).random(shape, np.float32)}
     sessions = {"vanilla": ort.InferenceSession(path, providers=["CPUExecutionProvider"])}
     with amanda.apply(_tool()):
         sessions["inferred (native)"] = ort.InferenceSession(
+            path, providers=["CPUExecutionProvider"])
+    with amanda.apply(_tool(marked=True)):
+        sessions["marked (native)"] = ort.InferenceSession(
             path, providers=["CPUExecutionProvider"])
     with portable.inference(False), amanda.apply(_tool()):
         sessions["hosted"] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])

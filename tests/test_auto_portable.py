@@ -258,3 +258,44 @@ def test_inference_switch_restores_the_setting():
         with portable.inference(False):
             raise RuntimeError
     assert portable.infer is True
+
+
+class MaskLinear(amanda.Tool):
+    """An unmarked closure over a NumPy mask on every linear/conv weight."""
+
+    def __init__(self, marked=False):
+        super().__init__()
+        self.marked = marked
+        self.rng = np.random.default_rng(0)
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        if context.get_op_name() in ("linear", "conv2d"):
+            shape = tuple(context.get_inputs()[1].shape)
+            mask = (self.rng.random(shape) > 0.5).astype(np.float32)
+            routine = closure(mask)
+            context.insert_before_op(portable.routine(routine) if self.marked else routine,
+                                     inputs=[1])
+
+
+def test_export_takes_inferred_routines_like_marked_ones():
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 5))
+    x = torch.rand(2, 3, 8, 8)
+    proto = amanda.export(model, (x,), MaskLinear())   # was: "not portable" ToolError
+    marked = amanda.export(model, (x,), MaskLinear(marked=True))
+    assert sorted(n.op_type for n in proto.graph.node) == \
+        sorted(n.op_type for n in marked.graph.node)
+    with torch.no_grad(), amanda.apply(MaskLinear()):
+        expected = model(x).numpy()
+    got = ort.InferenceSession(proto.SerializeToString()).run(None, {
+        proto.graph.input[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert not np.allclose(got, model(x).numpy(), rtol=1e-3)
+    assert isinstance(proto, onnx.ModelProto)
+    with portable.inference(False), pytest.raises(amanda.ToolError, match="not portable"):
+        amanda.export(model, (x,), MaskLinear())

@@ -32,6 +32,11 @@ def keyword_mask(weight, mask):
     return weight * mask
 
 
+@portable.routine
+def marked_keyword_mask(weight, mask):
+    return weight * mask
+
+
 def doubled_positive(y):
     return portable.where(y > 0, y * 2, y)
 
@@ -39,9 +44,10 @@ def doubled_positive(y):
 class MaskConvs(amanda.Tool):
     """Masks input 1 of every Conv, doubles positive Relu outputs."""
 
-    def __init__(self, style):
+    def __init__(self, style, marked=False):
         super().__init__()
         self.style = style
+        self.marked = marked
         self.rng = np.random.default_rng(0)
         self.masks = {}
         self.add_inst_for_op(self.analyse)
@@ -53,9 +59,12 @@ class MaskConvs(amanda.Tool):
             mask = (self.rng.random(weight.shape) > 0.5).astype(weight.dtype)
             self.masks[node.input[1]] = mask
             if self.style == "closure":
-                context.insert_before_op(closure_mask(mask), inputs=[1])
+                routine = closure_mask(mask)
+                context.insert_before_op(portable.routine(routine) if self.marked else routine,
+                                         inputs=[1])
             else:
-                context.insert_before_op(keyword_mask, inputs=[1], mask=mask)
+                context.insert_before_op(marked_keyword_mask if self.marked else keyword_mask,
+                                         inputs=[1], mask=mask)
         elif node.op_type == "Relu" and self.style == "closure":
             context.insert_after_op(doubled_positive)
 
@@ -119,6 +128,11 @@ def test_mask_routines_lower_to_plain_onnx_equal_to_hosted(style, name):
         hosted_tool = MaskConvs(style)
         hosted = amanda.instrument(model, hosted_tool)
     assert onnx_runtime.CALLBACK_DOMAIN in {n.domain for n in hosted.graph.node}
+    # the same model a @portable.routine mark gives
+    marked = amanda.instrument(model, MaskConvs(style, marked=True))
+    assert [n.op_type for n in marked.graph.node] == [n.op_type for n in native.graph.node]
+    assert same(session(marked, level=PLAIN).run(None, feeds)[0], got)
+
     options = ort.SessionOptions()
     options.graph_optimization_level = PLAIN
     expected = onnx_runtime.inference_session(hosted, options).run(None, feeds)[0]
