@@ -346,7 +346,7 @@ def _trial(func, plain, bound):
     for dtype in ("float32", "int32", "bool"):
         for shape in shapes:
             try:
-                graph = portable.trace(call, [(dtype, list(shape))] * count)
+                graph = portable.trace(call, [(dtype, list(shape))] * count, name=_name(func))
             except portable.PortableError as exc:
                 failures.append(f"{dtype}{list(shape)}: {exc}")
                 continue

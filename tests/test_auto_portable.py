@@ -159,6 +159,9 @@ HOSTED = {
     "comprehension": lambda *xs: [x * 2 for x in xs],
     "floor division": lambda x: x // 2,
     "subscript": lambda x: x[0],
+    # pass the code check, fail the trial trace
+    "returns a string": lambda x: "not a tensor",
+    "unknown dtype name": lambda x: portable.cast(x, "no-such-type"),
 }
 
 
@@ -181,6 +184,19 @@ def test_side_effects_and_python_state_stay_hosted(name):
     assert not verdict.portable and verdict.how == "refused", verdict
     assert verdict.reason and str(verdict).startswith("hosted")
     assert not portable.is_portable(routine)
+
+
+def test_each_verdict_is_logged_once_at_debug(caplog):
+    portable_infer.clear_cache()
+    routine = closure(np.ones(3, np.float32))
+    with caplog.at_level("DEBUG", logger="amanda.portable"):
+        for _ in range(3):
+            portable.is_portable(routine)
+            portable.is_portable(printing)
+    lines = [r.getMessage() for r in caplog.records if r.name == "amanda.portable"]
+    assert len(lines) == 2
+    assert "closure.<locals>.apply: lowered natively [inferred]" in lines[0]
+    assert "printing: hosted (Python callback) [refused]" in lines[1]
 
 
 def test_checking_a_counter_does_not_run_it():
