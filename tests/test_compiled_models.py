@@ -121,7 +121,7 @@ MODELS = ["bert", "gpt2", "resnet", "vit"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("name", MODELS)
 def test_models_have_the_points_and_ids_of_eager(name, backend):
     model, x = _model(name)
