@@ -221,6 +221,20 @@ def _simulate(func, code, local, cells, depth, seen):
             stack.append(local[ins.argval])
         elif op == "STORE_FAST":
             local[ins.argval] = pop()[0]
+        elif op == "LOAD_FAST_LOAD_FAST":            # 3.13
+            for name in ins.argval:
+                if name not in local:
+                    raise _Refused(f"local {name!r} read before it is set")
+                stack.append(local[name])
+        elif op == "STORE_FAST_STORE_FAST":          # 3.13
+            for name in ins.argval:
+                local[name] = pop()[0]
+        elif op == "STORE_FAST_LOAD_FAST":           # 3.13
+            stored, loaded = ins.argval
+            local[stored] = pop()[0]
+            if loaded not in local:
+                raise _Refused(f"local {loaded!r} read before it is set")
+            stack.append(local[loaded])
         elif op == "LOAD_CONST":
             stack.append(VALUE if _constant_kind(ins.argval) == VALUE
                          or _const_tuple(ins.argval) else OTHER)
@@ -267,7 +281,9 @@ def _simulate(func, code, local, cells, depth, seen):
         elif op in ("BUILD_TUPLE", "BUILD_LIST"):
             values(pop(ins.arg), "a tuple or list")
             stack.append(VALUE)
-        elif op == "CALL":
+        elif op in ("CALL", "CALL_KW"):
+            if op == "CALL_KW":                     # 3.13: the names tuple on top
+                pop()
             args = pop(ins.arg)
             first, second = pop(2)
             callee = second if first == NULL else first
