@@ -315,6 +315,7 @@ class Identity(amanda.Tool):
         context.insert_before_op(self.same)
         context.insert_after_op(self.same)
 
+    @portable.hosted    # a Python routine (amanda::replace), never inferred portable
     def same(self, *tensors):
         return list(tensors)
 
@@ -583,3 +584,17 @@ def test_dynamic_shapes_have_the_ids_and_names_of_eager():
         eager = _points(compiled, x, compiled_path=False)
         assert _points(compiled, x, compiled_path=True) == eager
     assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before
+
+
+def test_module_compile_in_place_has_the_ids_of_eager():
+    """``module.compile()``: Dynamo compiles the module's ``_call_impl``."""
+    torch.manual_seed(0)
+    model, x = ConvAndInPlace(), torch.randn(1, 3, 8, 8)
+    backend = CompileCounter()
+    model.compile(backend=backend)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    eager = _points(model, x, compiled_path=False)
+    assert backend.graphs == 0
+    assert _points(model, x, compiled_path=True) == eager
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before
+    assert backend.graphs == 1                 # the instrumented graph, compiled once
