@@ -234,14 +234,18 @@ def test_backward_tools_fall_back_to_eager():
 
 def test_state_restored_after_apply():
     from torch._dynamo import eval_frame
+    from torch._dynamo.output_graph import SubgraphTracer
     model, x = Block(), torch.randn(2, 8)
     compiled = torch.compile(model, backend="eager")
     original = eval_frame._callback_from_stance
+    create_proxy = SubgraphTracer.create_proxy
     with pytest.raises(RuntimeError):
         with amanda.apply(CountBefore()):
             compiled(x)
+            assert SubgraphTracer.create_proxy is not create_proxy   # sites read while tracing
             raise RuntimeError("tool code failed")
     assert eval_frame._callback_from_stance is original
+    assert SubgraphTracer.create_proxy is create_proxy
     assert not torch.overrides._get_current_function_mode_stack()
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert eval_frame._stance.stance == "default"
