@@ -602,3 +602,21 @@ def test_module_compile_in_place_has_the_ids_of_eager():
     assert _points(model, x, compiled_path=True) == eager
     assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before
     assert backend.graphs == 1                 # the instrumented graph, compiled once
+
+
+def test_ops_without_a_site_run_eagerly(monkeypatch):
+    """A Dynamo layout where the site cannot be read: the call runs eagerly
+    (its ids would be unknown), never with ids that may not be eager's."""
+    from amanda.runtime import pytorch_compiled_sites
+
+    def unreadable(tx):
+        raise AttributeError("a layout amanda does not know")
+    monkeypatch.setattr(pytorch_compiled_sites, "_site", unreadable)
+    torch.manual_seed(0)
+    model, x = ConvAndInPlace(), torch.randn(1, 3, 8, 8)
+    compiled = torch.compile(model, backend="eager")
+    eager = _points(compiled, x, compiled_path=False)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    assert _points(compiled, x, compiled_path=True) == eager
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
+    assert any("calling site" in reason for reason in pytorch_compiled.EAGER_FALLBACKS)

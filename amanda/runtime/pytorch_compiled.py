@@ -57,6 +57,7 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _graph_breaks,
     NAMESPACE,
     CompiledGraphBackend,
+    NoSite,
     _tls,
     _outside_graphs,
     lift_dynamo_graph,
@@ -365,12 +366,11 @@ class _WatchedFrames:
         _tls.breaks = breaks
         _tls.unsupported = None
         _tls.owner = _owner(frame, call)
-        _tls.code = frame.f_code
         try:
             with _sites.tracing():        # nodes get the sites eager gives their ops
                 result = self.inner(frame, cache_entry, frame_state)
         finally:
-            _tls.breaks = _tls.owner = _tls.code = None
+            _tls.breaks = _tls.owner = None
         reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
         _tls.unsupported = None
         if reason is None:
@@ -420,7 +420,16 @@ class InstrumentingBackend:
             # and the call runs eagerly (_WatchedFrames), so the tools' analysis
             # must not see these ops twice
             return gm.forward
-        lifted = lift_dynamo_graph(gm, getattr(_tls, "owner", None))
+        try:
+            lifted = lift_dynamo_graph(gm, getattr(_tls, "owner", None))
+        except NoSite as error:
+            if breaks is None:
+                raise BackendError(f"{error}: amanda cannot give it eager's op id "
+                                   f"[namespace {NAMESPACE}]") from None
+            # its eager id is unknown: the frame's code is dropped and the call
+            # runs eagerly (_WatchedFrames), before any tool saw the graph
+            _tls.unsupported = f"{error} (its eager op id is unknown)"
+            return gm.forward
         plan = analyse(lifted, self.session)
         self.graphs += 1
         if plan:

@@ -29,7 +29,6 @@ _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 #: frame Dynamo compiles, graph breaks seen...), shared with pytorch_compiled
 _tls = threading.local()
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
 # -- lifting Dynamo's graphs --------------------------------------------------------------
@@ -136,60 +135,10 @@ def _root(gm, owner=None):
     return None, None
 
 
-def _site(node, cls, name):
-    """(qualified function, line) of the frame that calls the op, as eager picks it.
-
-    Dynamo records user frames only; an op inside one of torch's own layers
-    (``nn.Linear.forward``) has no stack trace, so the layer's source is read
-    for the first line that calls the op by name."""
-    if cls is not None and getattr(sys.modules.get(cls.__module__), "__file__", "").startswith(_LAYER_DIR):
-        return _layer_site(cls, name)      # ops of torch's own layers
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    for file, line, function in reversed(frames):
-        if file.startswith(_TORCH_DIR) and (file == _MODULE_FILE or not file.startswith(_LAYER_DIR)):
-            continue     # torch internals Dynamo inlined (F.relu's body): the site is further up
-        return _qualname(cls, file, function), int(line)
-    return _layer_site(cls, name)
-
-
-_LAYER_SITES = {}
-
-
-def _layer_site(cls, name):
-    key = (cls, name)
-    if key not in _LAYER_SITES:
-        _LAYER_SITES[key] = _find_layer_site(cls, name)
-    return _LAYER_SITES[key]
-
-
-def _find_layer_site(cls, name):
-    import inspect
-    call = re.compile(r"[.\s(]" + re.escape(name) + r"\(")
-    for klass in getattr(cls, "__mro__", ()):
-        for value in vars(klass).values():
-            code = getattr(value, "__code__", None)
-            if code is None or not code.co_filename.startswith(_LAYER_DIR):
-                continue
-            try:
-                lines, first = inspect.getsourcelines(value)
-            except (OSError, TypeError):
-                continue
-            for offset, text in enumerate(lines):
-                if call.search(text):
-                    return code.co_qualname, first + offset
-    return None, None
-
-
-def _qualname(cls, file, name):
-    for klass in getattr(cls, "__mro__", ()):
-        for value in vars(klass).values():
-            code = getattr(value, "__code__", None)
-            if code is not None and code.co_name == name and code.co_filename == file:
-                return code.co_qualname
-    code = getattr(_tls, "code", None)      # the frame Dynamo compiles (a nested function...)
-    if code is not None and code.co_name == name and code.co_filename == file:
-        return code.co_qualname
-    return name
+class NoSite(Exception):
+    """A point node without the site amanda reads while Dynamo traces (a node
+    Dynamo made some other way, a layout not known here): its eager id is
+    unknown, so the graph is not instrumented and the call runs eagerly."""
 
 
 class CompiledGraphBackend(GraphBackend):
@@ -281,15 +230,13 @@ class _Ids:
 
     def of(self, node, raw, name):
         from amanda.runtime.pytorch import _stable_id
-        path, cls = _module_path(node, self.root)
+        path = _module_path(node, self.root)[0]
         site = node.meta.get(META_KEY)
-        if site is None:        # a node made outside amanda's tracing: read from its metadata
-            qualname, line = _site(node, cls, name)
-            where = (qualname, line)
-        else:
-            code, line, offset = site
-            qualname, where = code.co_qualname, (id(code), offset)
-        key = (path,) + where + (raw,)
+        if site is None:
+            raise NoSite(f"op {name!r} (fx node {node.name}) has no calling site")
+        code, line, offset = site
+        qualname = code.co_qualname
+        key = (path, id(code), offset, raw)
         if path is None:
             n = 0               # outside modules, an op is its site
         else:
