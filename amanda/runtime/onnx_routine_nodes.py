@@ -57,8 +57,9 @@ class RoutineNodes:
                 if not self.callbacks:
                     raise _error(action, where, f"cannot be lowered to ONNX natively: {why}; "
                                  "an exported model cannot call back into Python") from None
-                warnings.warn(str(_error(action, where, f"runs as a Python callback: {why}")),
-                              stacklevel=2)
+                if _is_marked(action.func):   # an inferred one just stays hosted
+                    warnings.warn(str(_error(action, where,
+                                             f"runs as a Python callback: {why}")), stacklevel=2)
         elif not self.callbacks:
             raise _error(action, where, "is a Python routine and an exported ONNX model cannot "
                          "call back into Python; mark it @amanda.portable.routine and write it "
@@ -287,6 +288,11 @@ def _is_portable(func):
     except ImportError:
         return False
     return portable.is_portable(func)
+
+
+def _is_marked(func):
+    from amanda import portable
+    return portable.explain(func).how == "marked"
 
 
 def _error(action, where, message):

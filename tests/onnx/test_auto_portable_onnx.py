@@ -189,3 +189,40 @@ def test_side_effects_stay_hosted_and_count_every_run():
     for step in range(1, 4):
         assert same(run.run(None, feeds)[0], session(model).run(None, feeds)[0])
         assert tool.calls == len(tool.seen) == tool.positive == step * convs
+
+
+def test_an_inferred_routine_that_cannot_lower_stays_hosted_without_a_warning():
+    """A routine selecting Clip's absent ``min`` cannot be traced into nodes:
+    marked, it falls back to a callback with a warning; inferred, silently."""
+    import warnings
+
+    from onnx import TensorProto, helper
+    x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Clip", ["x", "", "top"], ["y"], name="clip")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "top")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+    class Double(amanda.Tool):
+        def __init__(self, routine):
+            super().__init__()
+            self.routine = routine
+            self.add_inst_for_op(self.analyse)
+
+        def analyse(self, context):
+            context.insert_before_op(self.routine)
+
+    def double(x, low, top):
+        return x * 2, low, top
+
+    assert portable.is_portable(double)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inferred = amanda.instrument(model, Double(double))
+    assert onnx_runtime.CALLBACK_DOMAIN in {n.domain for n in inferred.graph.node}
+    got = onnx_runtime.inference_session(inferred).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, np.minimum(2 * x, 0.5))
+    with pytest.warns(UserWarning, match="runs as a Python callback.*absent"):
+        amanda.instrument(model, Double(portable.routine(lambda x, low, top: (x * 2, low, top))))
