@@ -267,8 +267,10 @@ _NO_TENSOR = "no tensor-related objects found in frame"
 
 
 def _torch_object(value):
-    module = getattr(value, "__module__", None) if not isinstance(value, type(sys)) \
-        else value.__name__
+    try:
+        module = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+    except Exception:
+        return True          # an object that will not say: taken for torch's
     return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
 
 
