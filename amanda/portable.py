@@ -19,6 +19,10 @@ A routine is recognised as portable when it is marked with :func:`routine`::
     def mask_weight(weight, mask):
         return weight * mask
 
+An unmarked routine that is plain tensor arithmetic is recognised too
+(:mod:`amanda.portable_infer`; :func:`explain` says which way a routine went,
+``infer = False`` or :func:`hosted` keeps routines in Python).
+
 Marking is a promise that the routine computes its results only from its
 tensor arguments and keyword arguments, with Python operators on tensors and
 the functions of this module (the *vocabulary*): it keeps no state and has no
