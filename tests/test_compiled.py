@@ -620,3 +620,24 @@ def test_ops_without_a_site_run_eagerly(monkeypatch):
     assert _points(compiled, x, compiled_path=True) == eager
     assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
     assert any("calling site" in reason for reason in pytorch_compiled.EAGER_FALLBACKS)
+
+
+_zeros = torch.zeros     # a torch function under another global name: no torch module in sight
+
+
+def _from_sizes(n):
+    return _zeros(n) + torch.ones(n).sum()
+
+
+def _no_torch_name(n):
+    return _zeros(n) * 2
+
+
+def test_functions_of_sizes_have_the_points_of_eager():
+    """Compiled functions given no tensor, one reading torch only through a
+    function imported under another name (Dynamo still compiles both)."""
+    for function in (_from_sizes, _no_torch_name):
+        compiled = torch.compile(function, backend="eager")
+        eager = _points(compiled, 3, compiled_path=False)
+        assert len(eager) >= 4
+        assert _points(compiled, 3, compiled_path=True) == eager
