@@ -85,6 +85,8 @@ class _SideBranches(_Lowering):
         self.original = model
         proto = self.result.graph
         self._inputs = {i.name for i in proto.input}
+        # the top graph's initializers (with the copies `resolve` adds)
+        self._weights_here = {i.name for i in proto.initializer}
         # onnxruntime drops initializers it folded but keeps their graph
         # inputs (IR < 4 lists every initializer as an input): give them
         # their values back, or the model would require them as feeds
@@ -93,6 +95,7 @@ class _SideBranches(_Lowering):
         for declared in proto.input:
             if declared.name not in present and declared.name in weights:
                 proto.initializer.add().CopyFrom(weights[declared.name])
+                self._weights_here.add(declared.name)
         _collect_proto_names(proto, self.used)
         self.scope = None
 
@@ -168,11 +171,6 @@ class _SideBranches(_Lowering):
         self.uses_callbacks = True
         if weights:
             self.weights.append((callback, weights))
-
-    @property
-    def _weights_here(self):
-        """Names of the top graph's initializers (the copies made so far included)."""
-        return {i.name for i in self.result.graph.initializer}
 
     def _attach(self, ir_graph, proto, original):
         """Attach the routines of ``ir_graph`` to ``proto`` (its optimised
@@ -269,6 +267,8 @@ class _SideBranches(_Lowering):
             copy.CopyFrom(weight)
             copy.name = scope.recomputed[name] = self.fresh(name)
             self.copied.add(copy.name)
+            if scope.proto is self.result.graph:
+                self._weights_here.add(copy.name)
             return copy.name
         node = scope.producers.get(name)
         if node is None:
