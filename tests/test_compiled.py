@@ -532,36 +532,70 @@ def test_actions_compiled_graphs_cannot_carry_fall_back_to_eager():
     assert any("replace_op" in reason for reason in pytorch_compiled.EAGER_FALLBACKS)
 
 
-@torch.compile(backend="eager")
-def _compiled_helper(x):
+def _helper(x):
     return torch.nn.functional.gelu(x) * 2
 
 
 class CallsCompiledParts(torch.nn.Module):
     """An eager module calling a compiled function twice and a compiled submodule."""
 
-    def __init__(self):
+    def __init__(self, backend):
         super().__init__()
         self.fc = torch.nn.Linear(8, 8)
-        self.out = torch.compile(torch.nn.Linear(8, 8), backend="eager")
+        self.out = torch.compile(torch.nn.Linear(8, 8), backend=backend)
+        self.helper = torch.compile(_helper, backend=backend)
 
     def forward(self, x):
-        return self.out(_compiled_helper(self.fc(x)) + _compiled_helper(x))
+        return self.out(self.helper(self.fc(x)) + self.helper(x))
 
 
 def test_compiled_parts_of_an_eager_module_have_the_ids_of_eager():
     """Eager names these ops by the calling module's path and counts the
-    helper's two calls as two occurrences; they run eagerly inside apply."""
+    helper's two calls as two occurrences: the instrumented code is cached per
+    caller (module path, earlier calls in the step), and runs compiled."""
     torch.manual_seed(0)
-    model, x = CallsCompiledParts(), torch.rand(2, 8)
+    backend = CompileCounter()
+    model, x = CallsCompiledParts(backend), torch.rand(2, 8)
     eager = _points(model, x, compiled_path=False)
-    before = pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._NESTED]
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    assert backend.graphs == 0
     assert _points(model, x, compiled_path=True) == eager
-    assert pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._NESTED] > before
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before
+    assert backend.graphs == 3     # the helper for each of its two calls, the submodule
+    tool = CountPoints()
+    for _ in range(2):              # re-entering apply with the same tool compiles nothing
+        with torch.no_grad(), amanda.apply(tool):
+            model(x)
+    assert backend.graphs == 6
     with torch.no_grad():
         expected = model(x)
         with amanda.apply(Identity()):
             assert torch.equal(model(x), expected)
+
+
+def _calls_a_module(x):
+    return _block(x) * 2
+
+
+class CallsACompiledFunctionCallingAModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.part = torch.compile(_calls_a_module, backend="eager")
+
+    def forward(self, x):
+        return self.part(self.fc(x))
+
+
+def test_compiled_function_calling_a_module_inside_an_eager_module_runs_eagerly():
+    """Eager names ``_block`` by where it sits among the caller's modules,
+    which Dynamo's access path does not say: that call runs eagerly."""
+    torch.manual_seed(0)
+    model, x = CallsACompiledFunctionCallingAModule(), torch.rand(2, 8)
+    eager = _points(model, x, compiled_path=False)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    assert _points(model, x, compiled_path=True) == eager
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
 
 
 class SizesInOperators(torch.nn.Module):

@@ -152,3 +152,37 @@ def test_models_identity_routines_keep_compiled_outputs(name, portable_routine):
     for out in outputs + [again]:
         assert len(out) == len(expected)
         assert all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+def _compile_layers(model, backend):
+    """Compiles the items of the model's first ``ModuleList`` (its layers or
+    stages) in place; the model itself stays eager."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for i, layer in enumerate(module):
+                module[i] = torch.compile(layer, backend=backend)
+            return len(module)
+    raise AssertionError("no ModuleList")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_layers_of_eager_models_have_the_points_and_ids_of_eager(name):
+    """Each layer compiled, the model eager: the layers' ops get the paths and
+    occurrences eager gives them (eager's paths of ops in a compiled layer
+    name its ``OptimizedModule``'s ``_orig_mod``), and the layers run compiled."""
+    from torch._dynamo.backends.registry import lookup_backend
+    inner, graphs = lookup_backend("aot_eager"), []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+    model, x = _model(name)
+    layers = _compile_layers(model, backend)
+    assert layers >= 2
+    eager = _points(model, x, compiled_path=False)      # the compiled layers run eagerly
+    assert len(eager) >= 50 and not graphs
+    fallbacks = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    assert _points(model, x, compiled_path=True) == eager
+    assert pytorch_compiled.EAGER_FALLBACKS == fallbacks
+    assert len(graphs) >= layers                         # they ran compiled

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import weakref
 
 import torch
 
@@ -63,7 +64,7 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     lift_dynamo_graph,
 )
 from amanda.runtime.pytorch_compiled_lowering import insert_actions
-from amanda.runtime.pytorch_mode import _below_wrappers
+from amanda.runtime.pytorch_mode import _below_wrappers, _module_path
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
 
 __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "lift_dynamo_graph",
@@ -139,10 +140,8 @@ def _pick_callback(callback):
         return None            # backward points / whole graphs: the eager runtime (see the docs)
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
-    elif _inside_a_module(st, callback):
-        return None            # its ops' ids depend on the calling module: eagerly
     else:
-        choice = _instrumented(session, callback)
+        choice = _instrumented(session, callback, _caller(st, callback))
     cleanups = _caller_cleanups()
     stack = torch.overrides._get_current_function_mode_stack()
     if cleanups is None or not stack or stack[-1] is not st.mode:
@@ -152,49 +151,53 @@ def _pick_callback(callback):
     return choice(chosen)
 
 
-_NESTED = "compiled callable called inside a module that runs eagerly"
-_NESTED_SEEN = {}     # id(user callback) -> user callback, counted in EAGER_FALLBACKS
-
-
-def _inside_a_module(st, callback):
-    """Whether the compiled call runs inside a module's call that amanda
-    tracks eagerly (a compiled function or submodule called from an eager
-    ``forward``; torch.compile's own ``OptimizedModule`` does not count).
-    Eager gives such ops the calling module's path and counts their
-    occurrences across calls in the step; a compiled graph, analysed once
-    for every caller, cannot, so the call runs eagerly (counted once per
-    callable in `EAGER_FALLBACKS`)."""
-    modules = st.modules
-    if not modules or not _below_wrappers(modules):
-        return False
-    if _NESTED_SEEN.get(id(callback)) is not callback:
-        _NESTED_SEEN[id(callback)] = callback
-        EAGER_FALLBACKS[_NESTED] += 1
-    return True
+def _caller(st, callback):
+    """Where eager would put the ops of this compiled call: None at the top
+    level (outside any module, or directly inside ``torch.compile(module)``'s
+    ``OptimizedModule``), else (the eager path of the module the compiled code
+    runs in, how many times this callable ran in that module earlier in the
+    step, whether the compiled callable is that module). Eager names such
+    ops by the calling module's path and counts a
+    helper's calls as occurrences: the instrumented code is cached per
+    caller (`_instrumented`), and ids are given from it (`_Ids`)."""
+    if not st.modules or not _below_wrappers(st.modules):
+        return None
+    refs = st.modules
+    top = refs[-1]()
+    inner = getattr(top, "_orig_mod", None)
+    module = isinstance(inner, torch.nn.Module)
+    if module:                                  # a compiled submodule of an eager module
+        refs = refs + [weakref.ref(inner)]
+        top = inner
+    key = ("amanda compiled call", id(top), id(callback))   # cleared with the step's counts
+    calls = st.counts.get(key, 0)
+    st.counts[key] = calls + 1
+    return _module_path(refs), calls, module
 
 
 def _vanilla(callback):
     return callback
 
 
-def _instrumented(session, user_callback):
+def _instrumented(session, user_callback, caller):
     def choose(callback):
-        key = (session.token, id(callback))
+        key = (session.token, id(callback), caller)
         entry = _CALLBACKS.get(key)
         if entry is None or entry[0] is not callback:
-            entry = _CALLBACKS[key] = (callback, _amanda_callback(callback, session, user_callback))
+            entry = _CALLBACKS[key] = (callback, _amanda_callback(callback, session, user_callback,
+                                                                  caller))
         return entry[1]
     return choose
 
 
-def _amanda_callback(callback, session, user_callback):
+def _amanda_callback(callback, session, user_callback, caller=None):
     from torch._dynamo import eval_frame
     inner = callback._torchdynamo_orig_backend
     user_compiler = getattr(inner, "_torchdynamo_orig_backend", None)
     if user_compiler is None or not hasattr(inner, "_clone_with_backend"):
         raise BackendError("amanda cannot read the compiler of this torch.compile'd callable; "
                            "run it with torch.compiler.set_stance('force_eager')")
-    backend = InstrumentingBackend(session, user_compiler)
+    backend = InstrumentingBackend(session, user_compiler, caller)
     hooks = getattr(callback, "hooks", None) or eval_frame.Hooks()
     from torch._dynamo import convert_frame
     return _WatchedFrames(convert_frame.catch_errors_wrapper(inner._clone_with_backend(backend), hooks),
@@ -406,11 +409,13 @@ class InstrumentingBackend:
     Args:
         session: the applied tools.
         compiler: the user's compiler function (inductor, ``aot_eager``...).
+        caller: where eager would put the call's ops (`_caller`), or None.
     """
 
-    def __init__(self, session, compiler):
+    def __init__(self, session, compiler, caller=None):
         self.session = session
         self.compiler = compiler
+        self.caller = caller
         self.graphs = 0
 
     def __call__(self, gm, example_inputs, **kwargs):
@@ -421,7 +426,7 @@ class InstrumentingBackend:
             # must not see these ops twice
             return gm.forward
         try:
-            lifted = lift_dynamo_graph(gm, getattr(_tls, "owner", None))
+            lifted = lift_dynamo_graph(gm, getattr(_tls, "owner", None), self.caller)
         except NoSite as error:
             if breaks is None:
                 raise BackendError(f"{error}: amanda cannot give it eager's op id "

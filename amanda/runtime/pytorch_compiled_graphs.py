@@ -171,7 +171,7 @@ class LiftedGraph:
         self.module_paths = {}
 
 
-def lift_dynamo_graph(gm, owner=None):
+def lift_dynamo_graph(gm, owner=None, caller=None):
     """Lifts the FX graph Dynamo captured into the IR: one op per call that an
     eager run would see as a point, ids computed like eager ids (module path,
     calling function, line, op name, occurrence).
@@ -181,6 +181,10 @@ def lift_dynamo_graph(gm, owner=None):
         owner: the class of the module whose method Dynamo compiles (the root of
             the module paths), `_FUNCTION` for a function, or None (unknown: read
             from Dynamo's module stacks).
+        caller: None for a call outside eager modules, or (eager path of the
+            module the compiled code runs in, its earlier calls there in the
+            step, whether the compiled callable is that module) for a
+            compiled part of an eager module.
 
     Returns:
         A `LiftedGraph`.
@@ -189,7 +193,7 @@ def lift_dynamo_graph(gm, owner=None):
 
     lifted = LiftedGraph()
     values = {}
-    ids = _Ids(_root(gm, owner))
+    ids = _Ids(_root(gm, owner), caller, gm.graph)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
@@ -220,23 +224,52 @@ class _Ids:
     number of earlier executions of that key in the step (a root module call
     starts a step); outside any module it is 0; the id hashes (module path,
     site's qualified name, site's line, op name, occurrence), and a second key
-    with the same parts appends "+" until the id is free."""
+    with the same parts appends "+" until the id is free.
 
-    def __init__(self, root):
+    In a compiled part of an eager module (``caller``: that module's eager
+    path, and the part's ``calls`` there earlier in the step), paths are
+    below the caller's and an op's occurrence starts after those calls'
+    executions of its key (``calls`` times the graph's own)."""
+
+    def __init__(self, root, caller=None, graph=None):
         self.root = root
         self.counts = {}
         self.keys = {}          # op id -> key
         self.step = None        # Dynamo's key of the root module call of the step
+        self.caller = caller
+        self.totals = {}
+        if caller is not None:
+            self.root = (caller[0], root[1])
+            for node in graph.nodes:     # executions of each key in one call
+                if node.meta.get(META_KEY) not in (None, MACHINERY) and _is_point(node):
+                    key = self._key(node, _raw_op(node)[0])
+                    self.totals[key] = self.totals.get(key, 0) + 1
+
+    def _path(self, node):
+        path = _module_path(node, self.root)[0]
+        if self.caller is not None and node.meta.get("nn_module_stack"):
+            if not self.caller[2]:
+                # a module called by a compiled function inside an eager module:
+                # eager names it by where it sits among the caller's modules,
+                # which Dynamo's access path does not say
+                raise NoSite(f"fx node {node.name} is in a module that a compiled function "
+                             "called inside an eager module calls")
+            path = ".".join(p for p in (self.caller[0], path) if p)
+        return path
+
+    def _key(self, node, raw):
+        code, line, offset = node.meta[META_KEY]
+        return (self._path(node), id(code), offset, raw)
 
     def of(self, node, raw, name):
         from amanda.runtime.pytorch import _stable_id
-        path = _module_path(node, self.root)[0]
         site = node.meta.get(META_KEY)
         if site is None:
             raise NoSite(f"op {name!r} (fx node {node.name}) has no calling site")
         code, line, offset = site
         qualname = code.co_qualname
-        key = (path, id(code), offset, raw)
+        key = self._key(node, raw)
+        path = key[0]
         if path is None:
             n = 0               # outside modules, an op is its site
         else:
@@ -247,6 +280,8 @@ class _Ids:
                 self.counts.clear()
             n = self.counts.get(key, 0)
             self.counts[key] = n + 1
+            if self.caller is not None:
+                n += self.caller[1] * self.totals.get(key, 0)
         parts = [path, qualname, line, name, n]
         op_id = _stable_id(*parts)
         while self.keys.setdefault(op_id, key) != key:
