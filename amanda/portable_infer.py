@@ -238,8 +238,8 @@ def _simulate(func, code, local, cells, depth, seen):
         elif op == "LOAD_CONST":
             stack.append(VALUE if _constant_kind(ins.argval) == VALUE
                          or _const_tuple(ins.argval) else OTHER)
-        elif op == "RETURN_CONST":
-            return
+        elif op == "RETURN_CONST":                  # 3.12: as LOAD_CONST + RETURN_VALUE
+            raise _Refused("it returns something that is not a tensor")
         elif op == "LOAD_DEREF":
             if ins.argval not in cells:
                 raise _Refused(f"it reads {ins.argval!r} from an enclosing scope")
