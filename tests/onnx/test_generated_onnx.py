@@ -349,9 +349,15 @@ _FLOAT_IN = set(UNARY) | set(BINARY) | {"MatMul", "Split", "ReduceSum", "Greater
 class Double(amanda.Tool):
     """Doubles input 0 before, or output 0 after, the chosen nodes (Python routines)."""
 
-    def __init__(self, before, after):
+    def __init__(self, before, after, native=False):
         super().__init__()
         self.before, self.after = before, after
+        if native:
+            two = np.float32(2)
+            # pure arithmetic over a captured constant: inferred portable, so it is
+            # lowered to the backend's own ops (docs/portable.md)
+            self.double = lambda array: array * two
+            assert amanda.portable.explain(self.double).portable
         self.add_inst_for_op(self.analyse, require_outputs=True)
 
     def analyse(self, context):
@@ -390,9 +396,10 @@ def _hand_doubled(model, before, after):
 
 
 @_SETTINGS
-@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False))
-def test_replacing_routines_equal_the_hand_edited_model(model, seed, random):
-    """Rewiring by difference: routines that replace values equal the same
+@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False), st.booleans())
+def test_replacing_routines_equal_the_hand_edited_model(model, seed, random, native):
+    """Rewiring by difference: routines that replace values (Python
+    callbacks, or inferred portable and lowered natively) equal the same
     change written into the model by hand (optimisations off on both sides,
     so no fusion tells them apart)."""
     before = sorted(n.name for n in model.graph.node
@@ -408,7 +415,7 @@ def test_replacing_routines_equal_the_hand_edited_model(model, seed, random):
                                     providers=["CPUExecutionProvider"])
 
     expected = session(_hand_doubled(model, set(before), set(after))).run(None, feeds)
-    with amanda.apply(Double(set(before), set(after))):
+    with amanda.apply(Double(set(before), set(after), native)):
         instrumented = session(model)
     for _ in range(2):
         got = instrumented.run(None, feeds)

@@ -403,9 +403,15 @@ def test_tf_function_identity_counts_and_cache(recipe, seed):
 class Double(amanda.Tool):
     """Doubles input 0 before, or output 0 after, the named ops (Python routines)."""
 
-    def __init__(self, before, after):
+    def __init__(self, before, after, native=False):
         super().__init__()
         self.before, self.after = before, after
+        if native:
+            two = np.float32(2)
+            # pure arithmetic over a captured constant: inferred portable, so it is
+            # lowered to the backend's own ops (docs/portable.md)
+            self.double = lambda array: array * two
+            assert amanda.portable.explain(self.double).portable
         self.add_inst_for_op(self.analyse)
 
     def analyse(self, context):
@@ -459,10 +465,11 @@ def _mul_node(name, source):
 
 
 @_SETTINGS
-@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False))
-def test_replacing_routines_equal_the_hand_edited_graph(recipe, seed, random):
-    """Rewiring by difference, forward: routines that replace values equal the
-    same change written into the GraphDef by hand."""
+@given(programs(), st.integers(0, 1000), st.randoms(use_true_random=False), st.booleans())
+def test_replacing_routines_equal_the_hand_edited_graph(recipe, seed, random, native):
+    """Rewiring by difference, forward: routines that replace values (Python
+    callbacks, or inferred portable and lowered natively) equal the same
+    change written into the GraphDef by hand."""
     graph, inputs, fetches, _, w, init = _build(recipe)
     fetches = [f for f in fetches if f is not w]
     feeds = _feeds(inputs, seed)
@@ -489,7 +496,7 @@ def test_replacing_routines_equal_the_hand_edited_graph(recipe, seed, random):
                              {t.name: v for t, v in feeds.items()})
     with tf.compat.v1.Session(graph=graph, config=_config()) as session:
         session.run(init)
-        with amanda.apply(Double(before, after)):
+        with amanda.apply(Double(before, after, native)):
             for _ in range(2):
                 got = session.run(fetches, feeds)
                 assert all(_same(e, g) for e, g in zip(expected, got)), (before, after)
