@@ -18,7 +18,7 @@ from amanda.context import take_actions
 from amanda.errors import ToolError
 from amanda.runtime.pytorch_records import _is_tensor, _StraightThrough
 from amanda.runtime.pytorch_sites import _Tensor
-from amanda.runtime.routines import call_routine, select
+from amanda.runtime.routines import call_routine, invoke, select
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -167,14 +167,8 @@ def _replace(action, selected, where):
 
 
 def _run_replacement(action, selected, where):
-    try:
-        with controls.muted():
-            if action.ad:
-                return action.func(*selected, **action.kwargs)
-            with torch.no_grad():
-                return action.func(*selected, **action.kwargs)
-    except Exception as exc:
-        op_name, op_id, namespace = where
-        raise ToolError(f"replace_op routine raised {type(exc).__name__}: {exc}",
-                        tool=action.tool, routine=action.func, op_name=op_name,
-                        op_id=op_id, namespace=namespace) from exc
+    with controls.muted():
+        if action.ad:
+            return invoke(action, selected, where)
+        with torch.no_grad():
+            return invoke(action, selected, where)

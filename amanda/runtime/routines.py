@@ -22,6 +22,18 @@ def select(values, positions, action, where):
                      f"{len(values)} such tensors") from None
 
 
+def invoke(action, args, where):
+    """``action.func(*args, **action.kwargs)``; any error but an amanda one
+    becomes a :class:`ToolError` naming the tool, routine and op, with the
+    error chained. Every backend calls routines through this."""
+    try:
+        return action.func(*args, **action.kwargs)
+    except AmandaError:
+        raise
+    except Exception as exc:
+        raise _error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+
+
 def call_routine(action, selected, is_tensor, where, meta=None):
     """Run ``action.func`` on ``selected`` and return the replacements.
 
@@ -41,12 +53,7 @@ def call_routine(action, selected, is_tensor, where, meta=None):
     Raises:
         ToolError: the routine raised or returned something else.
     """
-    try:
-        result = action.func(*selected, **action.kwargs)
-    except AmandaError:
-        raise
-    except Exception as exc:
-        raise _error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+    result = invoke(action, selected, where)
     if result is None:
         return None
     if type(result) is tuple or type(result) is list:

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from amanda import controls
 from amanda.errors import AmandaError, ToolError
-from amanda.runtime.routines import call_routine, check_replacements
+from amanda.runtime.routines import call_routine, check_replacements, invoke
 
 
 # -- routines as callbacks ----------------------------------------------------------
@@ -224,13 +224,7 @@ def _replacer(action, where, shapes, dtypes):
     shape its static shape allows."""
 
     def run(*arrays):
-        values = [_read_only(a) for a in arrays]
-        try:
-            result = action.func(*values, **action.kwargs)
-        except AmandaError:
-            raise
-        except Exception as exc:
-            raise _tool_error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+        result = invoke(action, [_read_only(a) for a in arrays], where)
         if _is_array(result):
             result = [result]
         if not isinstance(result, (list, tuple)) or len(result) != len(dtypes):
