@@ -1,13 +1,22 @@
 """TensorFlow graph mode: variable values moved between a user session and
 its shadow (`_VariableSync`, `_runs_alone`, `_sync_ops`, `_Writes`).
 
-A sync moves only what changed. Fetches through a session callable alias
-the variables' buffers (no copy), and TensorFlow copies a resource
-variable's buffer before any write while another reference to it is alive
-(copy-on-write: assigns, optimizer updates, scatters). So the arrays kept
-from the last sync (*snapshots*) tell, by address, which user variables
-kept their values since; the shadow's own writes are known from the ops its
-runs can execute (`_Writes`).
+A sync moves only what changed, and moves it without copying where it
+can. Fetches through a session callable alias the variables' buffers, and
+TensorFlow copies a resource variable's buffer before any write while
+another reference to it is alive (copy-on-write: assigns, optimizer
+updates, scatters all do). So
+
+* the arrays kept from the last sync (*snapshots*) tell, by address, which
+  user variables kept their values since;
+* a resource variable assigned from such an array takes its buffer: the
+  user's and the shadow's variable share one buffer (no second copy of the
+  model) until one of them writes it, which copies it first;
+* the shadow's own writes are known from the ops its runs can execute
+  (`_Writes`), so only those go back.
+
+Reference variables (``VariableV2``) are written in place: they always move,
+as copies.
 """
 
 from __future__ import annotations
@@ -63,12 +72,16 @@ def _snapshot(value, read):
     buffer of a resource variable (written only after TensorFlow copied it
     away while this reference lives), else a copy of a small value, else
     nothing (reference variables are written in place: always moved)."""
-    if read.op.type == "ReadVariableOp" and value.base is not None:
+    if _is_resource(read) and value.base is not None:
         value.flags.writeable = False
         return ("buffer", value)
     if value.nbytes <= _SMALL and value.dtype != object:
         return ("bytes", value.copy())
     return None
+
+
+def _is_resource(read):
+    return read.op.type == "ReadVariableOp"
 
 
 def _unchanged(kept, value):
@@ -100,7 +113,7 @@ class _VariableSync:
         self._found = (None, [])          # (user graph version, _variables())
         self._present = (None, set())     # (copy version, op names of the copy)
         self._callables = _Callables()
-        self._snapshots = {}              # resource variable name -> user buffer, as the shadow holds it
+        self._snapshots = {}              # name -> the user's value as the shadow holds it
         self.writes = _Writes(shadow)
 
     def forget(self):
@@ -193,36 +206,36 @@ class _VariableSync:
                 continue   # the shadow holds this value already
             moved.append((name, value))
         if moved:
-            self._assign(self.shadow.session, [side[n][0] for n, _ in moved],
-                         [side[n][1] for n, _ in moved], [side[n][2] for n, _ in moved],
-                         [v for _, v in moved])
-        for name, value in moved:
-            self._remember(name, variables, value)
+            reads = {n: r for n, r, _ in variables}
+            shared = [_is_resource(reads[n]) for n, _ in moved]
+            now = self._assign(self.shadow.session, [side[n][0] for n, _ in moved],
+                               [side[n][1] for n, _ in moved], [side[n][2] for n, _ in moved],
+                               [v for _, v in moved], shared)
+            for name, value in moved:
+                self._remember(name, reads[name], value)
         self.writes.dirty = set()
 
-    def _remember(self, name, variables, value):
+    def _remember(self, name, read, value):
         """Keep what tells later whether the user's value is still the one
         the shadow holds (`_snapshot`)."""
-        read = next(r for n, r, _ in variables if n == name)
         kept = _snapshot(value, read)
         if kept is None:
             self._snapshots.pop(name, None)
         else:
             self._snapshots[name] = kept
 
-    def _assign(self, session, feeds, assigns, reads, values):
-        """Run ``assigns`` fed with ``values``; then read the variables back
-        (aliasing) and, if TensorFlow adopted a fed buffer instead of copying
-        it (the variable would share memory with the other session), assign
-        copies. Returns the values read back."""
+    def _assign(self, session, feeds, assigns, reads, values, shared):
+        """Run ``assigns`` fed with ``values`` and read the variables back
+        (aliasing their buffers). A resource variable (``shared``) takes the
+        fed buffer itself: the two sessions' variables then share one
+        buffer, which TensorFlow copies before either writes it, as it does
+        for any buffer with more than one reference (the module's
+        docstring). Reference variables are written in place, so they get
+        copies."""
+        values = [v if share or v.base is None else np.array(v)
+                  for v, share in zip(values, shared)]
         self._callables.run(session, feeds=feeds, values=values, targets=assigns)
-        now = self._callables.run(session, reads)
-        if any(b.base is not None and a.size and _address(a) == _address(b)
-               for a, b in zip(now, values)):
-            self._callables.run(session, feeds=feeds, values=[np.array(v) for v in values],
-                                targets=assigns)
-            now = self._callables.run(session, reads)
-        return now
+        return self._callables.run(session, reads)
 
     def out_of_shadow(self):
         """Shadow session -> user session (variables the shadow's runs may
@@ -242,12 +255,12 @@ class _VariableSync:
             name, _, assign = variables[i]
             (missing if assign is None else written).append((variables[i], value))
         if written:
+            shared = [_is_resource(v[1]) for v, _ in written]
             now = self._assign(self.shadow.user_session, [v[2].inputs[1] for v, _ in written],
                                [v[2] for v, _ in written], [v[1] for v, _ in written],
-                               [value for _, value in written])
-            all_variables = self._variables()
-            for ((name, _, _), _), value in zip(written, now):
-                self._remember(name, all_variables, value)
+                               [value for _, value in written], shared)
+            for ((name, read, _), _), back in zip(written, now):
+                self._remember(name, read, back)
         self.writes.dirty = set()
         if missing:
             warnings.warn("amanda could not hand these variables back to the user session "

@@ -166,3 +166,34 @@ def test_a_tf_function_scope_on_a_cache_hit_rebuilds_nothing():
             assert dict(controls.state.sessions[-1].caches["tensorflow_functions"]) == copies
     assert tool.analysed == analysed and tool.calls == 4 * calls
     assert copy.pruned is pruned and copy.rewrite.copy.version == version
+
+
+def test_the_shadow_writing_in_place_never_writes_the_users_buffers():
+    """After an inference scope the shadow may share the user's buffers; a
+    write in the next scope (an update no read keeps waiting: TensorFlow
+    would write in place) must copy first. The user's variables are read
+    inside the scope through a private callable, which runs uninstrumented
+    and hands nothing back."""
+    from tensorflow.core.protobuf import config_pb2
+    graph, t = training_graph(use_resource=True)
+    weights = t["variables"][:2]
+    with graph.as_default():
+        bump = tf.group([tf.raw_ops.AssignAddVariableOp(resource=v.handle, value=tf.ones(v.shape))
+                         for v in weights])
+    with v1.Session(graph=graph) as session:
+        session.run(t["init"])
+        options = config_pb2.CallableOptions()
+        options.fetch.extend([v.value().name for v in weights])
+        read_user = session._make_callable_from_options(options)
+        before = [a.copy() for a in read_user()]
+        tool = Observe()
+        with amanda.apply(tool):
+            session.run(t["loss"], {t["x"]: X})          # the shadow gets the values
+        with amanda.apply(tool):
+            session.run(bump)                            # written in the shadow
+            during = [a.copy() for a in read_user()]
+        after = [a.copy() for a in read_user()]
+    for want, got in zip(before, during):
+        np.testing.assert_array_equal(got, want)
+    for want, got in zip(before, after):
+        np.testing.assert_array_equal(got, want + 1)
