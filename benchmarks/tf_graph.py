@@ -11,6 +11,12 @@ round-robin and the report gives median-over-repeats ratios to vanilla.
 Also measured: the first run of a fresh tool on the graph (lift, analysis,
 lowering, copy and shadow session: the rewrite) against a cache-hit run, the
 paper's Fig. 12 quantity, and the scope cost (variable hand-over in and out).
+
+Switching (issue 14): one ``apply`` scope per step with the same
+analysis-only tool on a cache hit, against plain steps, interleaved: Keras
+ResNet50 in a ``Session`` (loss and gradients; and a training step, whose
+updated variables go back to the user's session at each scope's end) and
+in a ``tf.function`` (loss and gradients under a ``GradientTape``).
 """
 
 from __future__ import annotations
@@ -122,6 +128,62 @@ def benchmark_model(name, build, repeats, runs):
             "scope_s": scope}
 
 
+SWITCH_TARGET = 1.05
+
+
+def _switch_ratio(plain, scoped, steps):
+    """Median of per-pair ratios: a plain step, then a step in a scope of its own."""
+    plain(), scoped()    # warm: rewrite once, executors made
+    ratios, plains = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        scoped()
+        end = time.perf_counter()
+        ratios.append((end - middle) / (middle - start))
+        plains.append(middle - start)
+    return statistics.median(ratios), statistics.median(plains)
+
+
+def benchmark_switching(steps=15):
+    """One scope per step on a cache hit: {row: (ratio, plain ms)}."""
+    import amanda
+    import numpy as np
+    import tensorflow as tf
+    from amanda.tools.identity import AnalysisOnlyTool
+    tool = AnalysisOnlyTool()
+    rows = {}
+    graph, x, fetches, init = resnet50()
+    with graph.as_default():
+        train = tf.compat.v1.train.GradientDescentOptimizer(1e-6).minimize(fetches[0])
+    feed = {x: np.random.default_rng(0).random(x.shape.as_list(), dtype=np.float32)}
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        for name, run in (("Session, loss + gradients", lambda: session.run(fetches, feed)),
+                          ("Session, training step", lambda: session.run([fetches[0], train], feed))):
+            def scoped(run=run):
+                with amanda.apply(tool):
+                    run()
+            ratio, plain = _switch_ratio(run, scoped, steps)
+            rows[name] = (ratio, plain * 1e3)
+    model = tf.keras.applications.ResNet50(weights=None)
+    image = tf.constant(feed[x])
+
+    @tf.function
+    def step(images):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(images))
+        return loss, tape.gradient(loss, model.trainable_weights)
+
+    def scoped_call():
+        with amanda.apply(tool):
+            step(image)
+    ratio, plain = _switch_ratio(lambda: step(image), scoped_call, steps)
+    rows["tf.function, loss + gradients"] = (ratio, plain * 1e3)
+    return rows
+
+
 def render(results, machine):
     lines = ["# amanda TensorFlow graph-mode overhead", "",
              "`Session.run` of loss + `tf.compat.v1.gradients` w.r.t. all weights; each "
@@ -142,6 +204,13 @@ def render(results, machine):
             f"{r['first_run_s']:.2f} | {r['cache_hit_s']:.3f} | "
             f"{r['first_run_s'] / r['cache_hit_s']:.1f} | {r['scope_s']:.3f} | "
             f"{'yes' if met else 'no'} |")
+    switching = results[0].get("switching") if results else None
+    if switching:
+        lines += ["", "One `apply` scope per step (analysis-only tool, cache hit), Keras ResNet50 "
+                  "batch 1: median of per-step ratios to the plain step before it.", "",
+                  "| step | plain ms | scope per step × | target |", "|---|---|---|---|"]
+        for name, (ratio, plain) in switching.items():
+            lines.append(f"| {name} | {plain:.1f} | {ratio:.3f} | ≤ {SWITCH_TARGET} |")
     lines += ["", f"Targets: analysis-only ≤ {TARGETS['analysis-only']}×, identity ≤ "
               f"{TARGETS['identity-portable']}× (identity routines written with amanda.portable, "
               "lowered to TF Identity ops; the Python-callback column runs the same routines "
@@ -157,5 +226,7 @@ def run(repeats=None, quick=False, log=print):
         n = repeats or (2 if quick else default_repeats)
         log(f"[{NAME}] {name}: {n} repeats x 4 configs x {runs} runs ...")
         results.append(benchmark_model(name, build, n, 1 if quick else runs))
+    log(f"[{NAME}] switching: one scope per step ...")
+    results[0]["switching"] = benchmark_switching(3 if quick else 15)
     machine = harness.machine_info(tensorflow=tf.__version__)
     return render(results, machine), {"suite": NAME, "machine": machine, "results": results}
