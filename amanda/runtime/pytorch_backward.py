@@ -31,6 +31,21 @@ def _walk_new_nodes(outputs, mark, owner):
     an old graph is referenced; one belongs to the first op (``owner``: session
     token and op id) that reaches it, and is found again by that op only.
     """
+    if len(outputs) == 1:
+        # The common case: one output whose node is new and whose inputs'
+        # nodes are all older (no accumulator, no pass-through node). The
+        # walk below would find that node alone.
+        node = outputs[0].grad_fn
+        if node is None:
+            return []
+        seq = node._sequence_nr()
+        if mark <= seq != _ACCUMULATE and not _is_straight_through(node):
+            for child, _ in node.next_functions:
+                if child is not None and (child._sequence_nr() >= mark
+                                          or _is_straight_through(child)):
+                    break
+            else:
+                return [node]
     queue = [t.grad_fn for t in outputs if t.grad_fn is not None]
     found, seen, i = [], set(), 0
     while i < len(queue):
@@ -60,19 +75,33 @@ def _walk_new_nodes(outputs, mark, owner):
 
 
 def _install_backward(session, record, nodes, inputs):
+    """Hook the nodes where something must run. ``inputs``: the op's input
+    tensors, or a function returning them (see ``backward_records``)."""
     for node, brec in zip(nodes, record.backward_records(nodes, inputs)):
         pending = brec.waiting()
         if not pending and not (brec.before or brec.after or brec.replace):
             continue
-        if node._sequence_nr() == _ACCUMULATE:
-            # Hooks reach their record through a holder: an accumulator kept
-            # alive by an old graph is found again, and must not be hooked twice.
-            metadata = node.metadata
-            hooks = metadata.get("amanda_hooks")
-            if hooks is None or hooks.session is not session:
-                hooks = metadata["amanda_hooks"] = _NodeHooks(session)
-        else:
-            hooks = _NodeHooks(session)   # a node created by this very execution
+        if node._sequence_nr() != _ACCUMULATE:
+            # A node created by this very execution: no hook on it yet, and
+            # its hooks act on this record for good, so every such node of
+            # the record shares one holder and its two callables.
+            shared = brec.hooks
+            if shared is None or shared[0].session is not session:
+                holder = _NodeHooks(session)
+                holder.brec = brec
+                shared = brec.hooks = (holder, functools.partial(_backward_pre, holder),
+                                       functools.partial(_backward_post, holder))
+            if not brec.pre_done or brec.before:
+                node.register_prehook(shared[1])
+            if not brec.pre_done or not brec.post_done or brec.after or brec.replace:
+                node.register_hook(shared[2])
+            continue
+        # Hooks reach their record through a holder: an accumulator kept
+        # alive by an old graph is found again, and must not be hooked twice.
+        metadata = node.metadata
+        hooks = metadata.get("amanda_hooks")
+        if hooks is None or hooks.session is not session:
+            hooks = metadata["amanda_hooks"] = _NodeHooks(session)
         hooks.brec = brec
         if not hooks.pre and (not brec.pre_done or brec.before):
             node.register_prehook(functools.partial(_backward_pre, hooks))
@@ -105,10 +134,6 @@ def _backward_context(brec):
     return brec.context
 
 
-def _where(brec):
-    return (brec.name, brec.op_id, NAMESPACE)
-
-
 def _backward_pre(hooks, grad_outputs):
     session, brec = hooks.session, hooks.brec
     if not session.active or controls.state.disabled:
@@ -124,7 +149,7 @@ def _backward_pre(hooks, grad_outputs):
         brec.parent.refresh()
     if brec.before:
         values = list(grad_outputs)
-        if _apply_actions(brec.before, values, _where(brec)):
+        if _apply_actions(brec.before, values, brec.where):
             return tuple(values)
     return None
 
@@ -145,7 +170,7 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
     values, changed = list(grad_inputs), False
     if brec.replace:
         action = brec.replace[0]
-        where = _where(brec)
+        where = brec.where
         new = _invoke(action, select(list(grad_outputs), action.positions, action, where),
                       where, meta=None)
         if new is not None:
@@ -156,6 +181,6 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
                                 namespace=NAMESPACE)
             check_replacements(action, values, new, _meta, where)
             values, changed = new, True
-    if brec.after and _apply_actions(brec.after, values, _where(brec)):
+    if brec.after and _apply_actions(brec.after, values, brec.where):
         changed = True
     return tuple(values) if changed else None

@@ -256,9 +256,13 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if not controls.state.cache:
         record = record.fresh()
     where = record.where
-    tensors, slots = _flatten(args, kwargs)
-    context = None
     trace = cache.trace
+    if (record.before or record.after or record.replace or not record.pre_done
+            or not record.post_done or trace is not None):
+        tensors, slots = _flatten(args, kwargs)
+    else:
+        tensors = None    # found only if a gradient accumulator is to be named
+    context = None
     if not record.pre_done:
         context = record.get_context()
         context._set_values(inputs=tensors)
@@ -293,7 +297,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         record.walked = True
         record.nodes = _sequence_nr() - mark
         if nodes:
-            _install_backward(session, record, nodes, tensors)
+            _install_backward(session, record, nodes, tensors if tensors is not None
+                              else lambda: _flatten(args, kwargs)[0])
     ir_op = trace.forward(record, func, args, kwargs, tensors, outputs, nodes) if trace else None
     if not record.post_done:
         context = record.get_context()
@@ -326,7 +331,7 @@ def _walk_again(cache, record, args, kwargs, result, mark):
                             (cache.session.token, record.op_id))
     record.nodes = _sequence_nr() - mark
     if nodes:
-        _install_backward(cache.session, record, nodes, _flatten(args, kwargs)[0])
+        _install_backward(cache.session, record, nodes, lambda: _flatten(args, kwargs)[0])
     record.refresh()
 
 

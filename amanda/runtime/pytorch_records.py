@@ -82,7 +82,7 @@ def _is_tensor(value):
 
 class _BackwardRecord:
     __slots__ = ("op_id", "name", "index", "parent", "context", "pre_done", "post_done",
-                 "before", "after", "replace")
+                 "before", "after", "replace", "where", "hooks")
 
     def __init__(self, parent, index, name, session):
         self.parent = parent
@@ -93,6 +93,8 @@ class _BackwardRecord:
         self.pre_done = not session.routines[BACKWARD_BEFORE]
         self.post_done = not session.routines[BACKWARD_AFTER]
         self.before, self.after, self.replace = [], [], []
+        self.where = (name, self.op_id, NAMESPACE)   # for error messages
+        self.hooks = None   # the hooks of nodes made by executions: see _install_backward
 
     def waiting(self):
         """Whether this backward op still waits for its analysis. (It waits
@@ -108,7 +110,7 @@ class _BackwardRecord:
 class _OpRecord:
     __slots__ = ("op_id", "name", "func", "module_path", "context", "pre_done", "post_done",
                  "before", "after", "replace", "backward", "walked", "fast", "watch", "session",
-                 "where", "nodes", "spec")
+                 "where", "nodes", "spec", "pinned", "kinds")
 
     def __init__(self, session, op_id, name, func, module_path):
         self.session = session
@@ -125,6 +127,8 @@ class _OpRecord:
         self.nodes = -1         # autograd nodes the op created when last walked (-1: never)
         self.spec = None        # output structure, for checking replace_op results
         self.where = (name, op_id, NAMESPACE)   # for error messages
+        self.pinned = False     # a backward op has actions: watched for good (see refresh)
+        self.kinds = None       # (node kinds, their records): see backward_records
         self.refresh()
 
     def fresh(self):
@@ -137,6 +141,13 @@ class _OpRecord:
         return self.session.has_backward and not self.walked
 
     def refresh(self):
+        if self.pinned:
+            return
+        # A backward op with actions keeps them (records and their actions
+        # are never dropped): its nodes are hooked at every execution, so
+        # the op is watched and off the fast path for good.
+        if any(b.before or b.after or b.replace for b in self.backward.values()):
+            self.pinned = True
         self.watch = self.needs_walk()
         self.fast = (self.pre_done and self.post_done and not self.before and not self.after
                      and not self.replace and not self.watch)
@@ -165,18 +176,32 @@ class _OpRecord:
         that kind; a gradient accumulator by the input it accumulates into.
         Not by its position in the walk: activation checkpointing recomputes
         an op on detached inputs, whose graph lacks or adds accumulators, and
-        the other nodes must keep their ids."""
-        seen, records = {}, []
+        the other nodes must keep their ids.
+
+        ``inputs`` is the op's input tensors, or a function returning them
+        (called only when an accumulator must be named). Without
+        accumulators the records depend on the node kinds alone: the list
+        of the last such execution is reused when the kinds are the same."""
+        kinds = tuple(map(type, nodes))
+        last = self.kinds
+        if last is not None and last[0] == kinds:
+            return last[1]
+        seen, records, accumulators = {}, [], False
         for node in nodes:
             name = type(node).__name__
             index = None
             if name == "AccumulateGrad":
+                accumulators = True
+                if callable(inputs):
+                    inputs = inputs()
                 variable = node.variable
                 index = next((f"input{p}" for p, t in enumerate(inputs) if t is variable), None)
             if index is None:
                 index = seen.get(name, 0)
                 seen[name] = index + 1
             records.append(self.backward_record(index, name))
+        if not accumulators:
+            self.kinds = (kinds, records)
         return records
 
 

@@ -48,14 +48,18 @@ def _invoke(action, selected, where, meta=_meta):
     switch = not action.ad and _grad_enabled()
     if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
+    # controls.muted(), inlined: this runs once per instrumentation point
+    state = controls.state
+    saved = state.disabled
+    state.disabled = True
     try:
-        with controls.muted():
-            guard = EXPORTING.guard
-            if guard is not None:
-                with guard(action, selected, where):
-                    return call_routine(action, selected, _is_tensor, where, meta)
-            return call_routine(action, selected, _is_tensor, where, meta)
+        guard = EXPORTING.guard
+        if guard is not None:
+            with guard(action, selected, where):
+                return call_routine(action, selected, _is_tensor, where, meta)
+        return call_routine(action, selected, _is_tensor, where, meta)
     finally:
+        state.disabled = saved
         if switch:
             _set_grad_enabled(True)
 
