@@ -675,3 +675,16 @@ def test_functions_of_sizes_have_the_points_of_eager():
         eager = _points(compiled, 3, compiled_path=False)
         assert len(eager) >= 4
         assert _points(compiled, 3, compiled_path=True) == eager
+
+
+def test_more_sessions_than_dynamo_allows_versions_keep_eager_ids():
+    """Each session (tools applied anew) is a cache entry of Dynamo's for the
+    compiled code; past its recompile limit the calls run eagerly from the
+    start, and every session's points stay eager's."""
+    torch.manual_seed(0)
+    model, x = ConvAndInPlace(), torch.randn(1, 3, 8, 8)
+    compiled = torch.compile(model, backend="eager")
+    eager = _points(compiled, x, compiled_path=False)
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        assert _points(compiled, x, compiled_path=True) == eager
+    assert pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._TOO_MANY] >= 1

@@ -186,3 +186,16 @@ def test_compiled_layers_of_eager_models_have_the_points_and_ids_of_eager(name):
     assert _points(model, x, compiled_path=True) == eager
     assert pytorch_compiled.EAGER_FALLBACKS == fallbacks
     assert len(graphs) >= layers                         # they ran compiled
+
+
+@pytest.mark.slow
+def test_more_sessions_than_dynamo_allows_versions_keep_eager_ids():
+    """Every session is a version Dynamo caches; past its recompile limit it
+    would refuse to compile in the middle of a call, and that late fallback
+    gave BERT's layer_norm, dropout and embedding ops other ids: calls past
+    the limit run eagerly from the start."""
+    model, x = _model("bert")
+    compiled = torch.compile(model, backend="aot_eager")
+    eager = _points(compiled, x, compiled_path=False)
+    for _ in range(torch._dynamo.config.recompile_limit + 1):
+        assert _points(compiled, x, compiled_path=True) == eager

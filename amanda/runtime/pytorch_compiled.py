@@ -141,7 +141,10 @@ def _pick_callback(callback):
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
     else:
-        choice = _instrumented(session, callback, _caller(st, callback))
+        caller = _caller(st, callback)
+        if not _within_dynamo_limit(st, session, callback, caller):
+            return None        # Dynamo would refuse one more version in the middle of the call
+        choice = _instrumented(session, callback, caller)
     cleanups = _caller_cleanups()
     stack = torch.overrides._get_current_function_mode_stack()
     if cleanups is None or not stack or stack[-1] is not st.mode:
@@ -173,6 +176,42 @@ def _caller(st, callback):
     calls = st.counts.get(key, 0)
     st.counts[key] = calls + 1
     return _module_path(refs), calls, module
+
+
+_VERSIONS = {}    # compiled code target -> {(session token, id(callback), caller)}
+_TOO_MANY = "more instrumented versions than Dynamo's recompile limit allows"
+_SEEN_CODES = [0]  # codes Dynamo had seen at the last check: fewer means torch._dynamo.reset()
+_COUNTED = set()
+
+
+def _within_dynamo_limit(st, session, callback, caller):
+    """Whether Dynamo can cache one more instrumented version of this code.
+    Each (session, callable, caller) is a backend of its own, i.e. a cache
+    entry of the code Dynamo compiles (shared by every layer of one class);
+    past ``torch._dynamo.config.recompile_limit`` Dynamo refuses to compile in
+    the middle of the call, and that late fallback does not give every op
+    eager's id (docs/pytorch-compiled.md). So once the versions of a code
+    target reach the limit less two (one for the vanilla code, one spare), new
+    ones run eagerly from the start, counted in `EAGER_FALLBACKS`."""
+    top = st.modules[-1]() if st.modules else None
+    inner = getattr(top, "_orig_mod", None)
+    target = type(inner) if isinstance(inner, torch.nn.Module) else id(callback)
+    from torch._dynamo import config, convert_frame
+    seen = len(getattr(convert_frame.input_codes, "seen", ()))
+    if seen < _SEEN_CODES[0]:
+        _VERSIONS.clear()            # Dynamo's caches were reset
+    _SEEN_CODES[0] = seen
+    versions = _VERSIONS.setdefault(target, set())
+    key = (session.token, id(callback), caller)
+    if key in versions:
+        return True
+    if len(versions) >= getattr(config, "recompile_limit", 8) - 2:
+        if (target, id(callback)) not in _COUNTED:
+            _COUNTED.add((target, id(callback)))
+            EAGER_FALLBACKS[_TOO_MANY] += 1
+        return False
+    versions.add(key)
+    return True
 
 
 def _vanilla(callback):
