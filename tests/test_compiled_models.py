@@ -199,3 +199,18 @@ def test_more_sessions_than_dynamo_allows_versions_keep_eager_ids():
     eager = _points(compiled, x, compiled_path=False)
     for _ in range(torch._dynamo.config.recompile_limit + 1):
         assert _points(compiled, x, compiled_path=True) == eager
+
+
+@pytest.mark.slow
+def test_more_compiled_layers_than_dynamo_allows_versions_keep_eager_ids():
+    """12 compiled BERT layers of one class: 12 versions of one code; those
+    past Dynamo's limit run eagerly from the start, all with eager's ids."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=12, hidden_size=64, num_attention_heads=2,
+                                     intermediate_size=128)
+    model, x = transformers.BertModel(config).eval(), torch.randint(0, 1000, (2, 8))
+    assert _compile_layers(model, "aot_eager") > torch._dynamo.config.recompile_limit
+    eager = _points(model, x, compiled_path=False)
+    for _ in range(2):
+        assert _points(model, x, compiled_path=True) == eager
