@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 
-from amanda import controls
 from amanda.context import OpContext
 from amanda.errors import ToolError
 from amanda.runtime.pytorch_records import BackwardOp, _is_straight_through
 from amanda.runtime.pytorch_routines import _analyse, _apply_actions, _invoke, _meta
-from amanda.runtime.pytorch_sites import _ACCUMULATE, NAMESPACE
+from amanda.runtime.pytorch_sites import _ACCUMULATE, _CONTROLS, NAMESPACE
 from amanda.runtime.routines import check_replacements, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
 
@@ -78,9 +77,8 @@ def _install_backward(session, record, nodes, inputs):
     """Hook the nodes where something must run. ``inputs``: the op's input
     tensors, or a function returning them (see ``backward_records``)."""
     for node, brec in zip(nodes, record.backward_records(nodes, inputs)):
-        pending = brec.waiting()
-        if not pending and not (brec.before or brec.after or brec.replace):
-            continue
+        if brec.pre_done and brec.post_done and not (brec.before or brec.after or brec.replace):
+            continue      # analysed, nothing to do (brec.idle, inlined)
         if node._sequence_nr() != _ACCUMULATE:
             # A node created by this very execution: no hook on it yet, and
             # its hooks act on this record for good, so every such node of
@@ -136,7 +134,7 @@ def _backward_context(brec):
 
 def _backward_pre(hooks, grad_outputs):
     session, brec = hooks.session, hooks.brec
-    if not session.active or controls.state.disabled:
+    if not session.active or _CONTROLS.disabled:
         return None
     if not brec.pre_done:
         context = _backward_context(brec)
@@ -156,7 +154,7 @@ def _backward_pre(hooks, grad_outputs):
 
 def _backward_post(hooks, grad_inputs, grad_outputs):
     session, brec = hooks.session, hooks.brec
-    if not session.active or controls.state.disabled:
+    if not session.active or _CONTROLS.disabled:
         return None
     if not brec.post_done:
         context = _backward_context(brec)

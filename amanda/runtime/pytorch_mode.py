@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from torch.overrides import TorchFunctionMode
 
-from amanda import controls
 from amanda.errors import ToolError
 from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
 from amanda.runtime.pytorch_records import _OpRecord, _stable_id
@@ -253,7 +252,7 @@ _NOTHING = object()
 
 def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     session = cache.session
-    if not controls.state.cache:
+    if not _CONTROLS.cache:
         record = record.fresh()
     where = record.where
     trace = cache.trace
@@ -287,18 +286,21 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         result = func(*args, **kwargs)
     else:
         result = computed
-    outputs = _op_outputs(result, args)
+    outputs = None     # found when something looks at them
     nodes = ()
     if _grad_enabled() and (record.watch or cache.trace is not None or (
             session.has_backward and _sequence_nr() - mark != record.nodes)):
         # (a changed count of new autograd nodes: an input that now requires
         # grad makes backward ops this op did not have before)
+        outputs = _op_outputs(result, args)
         nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
         record.walked = True
         record.nodes = _sequence_nr() - mark
         if nodes:
             _install_backward(session, record, nodes, tensors if tensors is not None
                               else lambda: _flatten(args, kwargs)[0])
+    if outputs is None and (trace is not None or not record.post_done or record.after):
+        outputs = _op_outputs(result, args)
     ir_op = trace.forward(record, func, args, kwargs, tensors, outputs, nodes) if trace else None
     if not record.post_done:
         context = record.get_context()

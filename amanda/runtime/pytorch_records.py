@@ -148,6 +148,11 @@ class _OpRecord:
         # the op is watched and off the fast path for good.
         if any(b.before or b.after or b.replace for b in self.backward.values()):
             self.pinned = True
+        elif not self.session.has_backward and (self.before or self.after or self.replace):
+            # Likewise with forward actions and no backward routines: its
+            # backward records (if traced) stay idle, it is never walked for
+            # backward points, and it keeps its actions.
+            self.pinned = True
         self.watch = self.needs_walk()
         self.fast = (self.pre_done and self.post_done and not self.before and not self.after
                      and not self.replace and not self.watch)
