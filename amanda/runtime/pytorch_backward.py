@@ -13,6 +13,7 @@ import functools
 
 from amanda.context import OpContext
 from amanda.errors import ToolError
+from amanda.runtime import pytorch_records as _records
 from amanda.runtime.pytorch_records import BackwardOp, _is_straight_through
 from amanda.runtime.pytorch_routines import _analyse, _apply_actions, _invoke, _meta
 from amanda.runtime.pytorch_sites import _ACCUMULATE, _CONTROLS, NAMESPACE
@@ -38,10 +39,11 @@ def _walk_new_nodes(outputs, mark, owner):
         if node is None:
             return []
         seq = node._sequence_nr()
-        if mark <= seq != _ACCUMULATE and not _is_straight_through(node):
+        passing = _records._STRAIGHT_THROUGH_NODE    # (_is_straight_through, inlined)
+        if mark <= seq != _ACCUMULATE and type(node) is not passing:
             for child, _ in node.next_functions:
                 if child is not None and (child._sequence_nr() >= mark
-                                          or _is_straight_through(child)):
+                                          or type(child) is passing):
                     break
             else:
                 return [node]

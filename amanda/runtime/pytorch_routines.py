@@ -70,7 +70,13 @@ def _apply_actions(actions, values, where):
     changed = False
     for action in actions:
         positions = action.positions
-        selected = values if positions is None else select(values, positions, action, where)
+        if positions is None:
+            selected = values
+        else:
+            try:
+                selected = [values[p] for p in positions]
+            except IndexError:
+                selected = select(values, positions, action, where)   # raises the error
         result = _invoke(action, selected, where)
         if result is None:
             continue
