@@ -1,0 +1,83 @@
+"""Variables TensorFlow updates in place (sparse updates of an embedding: in
+copy-on-read mode TF writes the buffer without copying) must still move
+between the user's session and amanda's shadow: a scope per training step,
+plain training steps and plain runs between them, by difference against
+plain training."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import amanda  # noqa: E402
+
+v1 = tf.compat.v1
+
+
+def _graph(optimizer):
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int32, [3], name="ids")
+        table = v1.get_variable("table", initializer=np.arange(20, dtype=np.float32)
+                                .reshape(10, 2) / 10, use_resource=True)
+        dense = v1.get_variable("dense", initializer=np.float32([[0.5], [-0.25]]),
+                                use_resource=True)
+        rows = tf.gather(table, ids)
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(rows, dense)))
+        train = optimizer().minimize(loss)
+        init = v1.global_variables_initializer()
+    return graph, ids, loss, train, init, table, dense
+
+
+class Observe(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        context.insert_before_op(self.observe)
+
+    def observe(self, *arrays):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("optimizer", [lambda: v1.train.GradientDescentOptimizer(0.1),
+                                       lambda: v1.train.AdagradOptimizer(0.1),
+                                       lambda: v1.train.AdamOptimizer(0.1)],
+                         ids=["sgd", "adagrad", "adam"])
+def test_sparse_updates_in_scopes_per_step_equal_plain_training(optimizer):
+    batches = [np.int32([1, 2, 1]), np.int32([3, 1, 4]), np.int32([2, 2, 9])]
+
+    def run(tool):
+        graph, ids, loss, train, init, table, dense = _graph(optimizer)
+        seen = []
+        with v1.Session(graph=graph) as session:
+            session.run(init)
+            for step, batch in enumerate(batches * 2):
+                if tool is None or step % 2:          # plain training between scopes
+                    session.run(train, {ids: batch})
+                else:
+                    with amanda.apply(tool):
+                        session.run(train, {ids: batch})
+                seen.append(session.run([table, dense]))        # plain, after the scope
+                with amanda.apply(tool) if tool is not None else _nothing():
+                    seen.append(session.run(loss, {ids: batch}))  # inside a new scope
+        return seen
+
+    expected = run(None)
+    tool = Observe()
+    got = run(tool)
+    assert tool.calls > 0
+    for a, b in zip(expected, got):
+        for p, q in zip(np.atleast_1d(a) if np.isscalar(a) else a,
+                        np.atleast_1d(b) if np.isscalar(b) else b):
+            np.testing.assert_array_equal(p, q)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
