@@ -81,3 +81,36 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_fed_value_assigned_to_a_variable_is_not_shared_with_the_callers_array(inside):
+    """A variable assigned from a feed (TF may adopt the fed buffer) keeps its
+    value when the caller later changes the array it fed, inside and after
+    scopes, like a plain session."""
+    def run(tool):
+        graph = tf.Graph()
+        with graph.as_default():
+            value = v1.placeholder(tf.float32, [4])
+            var = v1.get_variable("v", initializer=np.zeros(4, np.float32), use_resource=True)
+            assign = var.assign(value)
+            doubled = var * 2
+            init = v1.global_variables_initializer()
+        fed = np.arange(4, dtype=np.float32)
+        seen = []
+        with v1.Session(graph=graph) as session:
+            session.run(init)
+            for step in range(3):
+                scoped = tool is not None and (inside or step % 2)
+                with amanda.apply(tool) if scoped else _nothing():
+                    session.run(assign, {value: fed})
+                fed += 100                     # the caller reuses its array
+                with amanda.apply(tool) if tool is not None else _nothing():
+                    seen.append(session.run(doubled))
+                seen.append(session.run(var))
+        return seen
+
+    expected = run(None)
+    got = run(Observe())
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
