@@ -254,6 +254,21 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     session = cache.session
     if not _CONTROLS.cache:
         record = record.fresh()
+    elif (record.pinned and record.pre_done and record.post_done and computed is _NOTHING
+          and not (record.before or record.after or record.replace)
+          and cache.trace is None):
+        # Backward points only (a backward op with actions; nothing runs in
+        # forward, nothing left to analyse): run the op, hook its new nodes.
+        mark = _sequence_nr()
+        result = func(*args, **kwargs)
+        if _grad_enabled():
+            nodes = _walk_new_nodes(_op_outputs(result, args), mark,
+                                    (session.token, record.op_id))
+            record.walked = True
+            record.nodes = _sequence_nr() - mark
+            if nodes:
+                _install_backward(session, record, nodes, lambda: _flatten(args, kwargs)[0])
+        return result
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
