@@ -49,6 +49,8 @@ class _Callables:
                tuple(op.name for op in targets))
         made = self._made.get(key)
         if made is None:
+            if len(self._made) >= 32:   # subsets moved vary; graphs grow: keep a few
+                self._made.clear()
             options = config_pb2.CallableOptions()
             options.feed.extend(key[1])
             options.fetch.extend(key[2])
