@@ -269,6 +269,15 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
             if nodes:
                 _install_backward(session, record, nodes, lambda: _flatten(args, kwargs)[0])
         return result
+    elif (record.pinned and not session.has_backward and record.pre_done and record.post_done
+          and computed is _NOTHING and not (record.after or record.replace)
+          and cache.trace is None):
+        # Forward "before" actions only, no backward routines, nothing left to
+        # analyse: the op is never walked (see _OpRecord.refresh).
+        tensors, slots = _flatten(args, kwargs)
+        if _apply_actions(record.before, tensors, record.where):
+            args, kwargs = _rebuild(args, kwargs, slots, tensors)
+        return func(*args, **kwargs)
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
