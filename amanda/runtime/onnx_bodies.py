@@ -86,7 +86,20 @@ def _sort_nodes(proto):
     """Order the nodes of a GraphProto (and of its bodies) topologically,
     keeping the present order where it is one; values a body reads from
     this graph count as inputs of the node holding it."""
-    from amanda.frontends.onnx import _free_variables, kahn_order
+    from amanda.frontends.onnx import kahn_order
+    nodes, needs = _node_needs(proto)
+    order = kahn_order([sorted(n) for n in needs])
+    if len(order) == len(nodes) and order != list(range(len(nodes))):
+        del proto.node[:]
+        proto.node.extend(nodes[k] for k in order)
+
+
+def _node_needs(proto):
+    """``(nodes, needs)`` of a GraphProto: ``needs[k]`` is the set of the
+    positions of the nodes whose outputs node ``k`` reads, values its bodies
+    read from this graph included. Bodies are sorted (`_sort_nodes`) on the
+    way."""
+    from amanda.frontends.onnx import _free_variables
     nodes = list(proto.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
     needs = []
@@ -96,11 +109,8 @@ def _sort_nodes(proto):
             for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 _sort_nodes(sub)
                 reads.update(_free_variables(sub))
-        needs.append([j for j in map(producer.get, reads) if j is not None and j != k])
-    order = kahn_order(needs)
-    if len(order) == len(nodes) and order != list(range(len(nodes))):
-        del proto.node[:]
-        proto.node.extend(nodes[k] for k in order)
+        needs.append({j for j in map(producer.get, reads) if j is not None and j != k})
+    return nodes, needs
 
 
 def _collect_proto_names(proto, names):

@@ -23,7 +23,8 @@ from amanda.errors import BackendError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime import swapped
 from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
-                                        _holding_node, _hosts_routines, _sort_nodes)
+                                        _holding_node, _hosts_routines, _node_needs,
+                                        _sort_nodes)
 from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
                                       _catalog, _register_callback)
 from amanda.runtime.onnx_lowering import _Lowering
@@ -307,21 +308,13 @@ def _sort_nodes_eagerly(proto, own):
     in the plain run and each copy handed to Python lives for one call,
     instead of every observed tensor waiting for side branches that the
     default order runs last."""
-    from amanda.frontends.onnx import _free_variables
-    nodes = list(proto.node)
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    nodes, needs = _node_needs(proto)
     users = [[] for _ in nodes]
     pending = []
-    for k, node in enumerate(nodes):
-        reads = set(node.input)
-        for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                _sort_nodes(sub)
-                reads.update(_free_variables(sub))
-        needs = {j for j in map(producer.get, reads) if j is not None and j != k}
-        for j in needs:
+    for k, reads in enumerate(needs):
+        for j in reads:
             users[j].append(k)
-        pending.append(len(needs))
+        pending.append(len(reads))
     ready = [(k < own, k) for k, count in enumerate(pending) if count == 0]
     heapq.heapify(ready)
     order = []
