@@ -688,3 +688,51 @@ def test_more_sessions_than_dynamo_allows_versions_keep_eager_ids():
     for _ in range(torch._dynamo.config.recompile_limit + 2):
         assert _points(compiled, x, compiled_path=True) == eager
     assert pytorch_compiled.EAGER_FALLBACKS[pytorch_compiled._TOO_MANY] >= 1
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class _Paths(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        self.seen.append((context.get_op_id(), context.get_op_name(),
+                          context.get_module_path()))
+
+
+@pytest.mark.parametrize("compiled_path", [False, True])
+def test_compiling_a_layer_changes_no_op_id_or_module_path(compiled_path):
+    """A layer compiled in place of itself (``layers[i] = torch.compile(...)``)
+    is named as before: the ``OptimizedModule`` wrapper and its ``_orig_mod``
+    are one module in paths, so ids and paths equal the uncompiled model's."""
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(2, 8)
+
+    def seen():
+        pytorch_compiled.ENABLED = compiled_path
+        tool = _Paths()
+        try:
+            with torch.no_grad(), amanda.apply(tool):
+                model(x)
+        finally:
+            pytorch_compiled.ENABLED = False
+        return sorted(tool.seen, key=repr)
+
+    plain = seen()
+    assert {path for _, _, path in plain} >= {"layers.0.0", "layers.2.1"}
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, backend="eager")
+    assert seen() == plain

@@ -169,8 +169,8 @@ def _compile_layers(model, backend):
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_layers_of_eager_models_have_the_points_and_ids_of_eager(name):
     """Each layer compiled, the model eager: the layers' ops get the paths and
-    occurrences eager gives them (eager's paths of ops in a compiled layer
-    name its ``OptimizedModule``'s ``_orig_mod``), and the layers run compiled."""
+    occurrences eager gives them (the ``OptimizedModule`` wrapper is not part
+    of paths), and the layers run compiled."""
     from torch._dynamo.backends.registry import lookup_backend
     inner, graphs = lookup_backend("aot_eager"), []
 

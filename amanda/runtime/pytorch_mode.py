@@ -32,7 +32,11 @@ WRAPPER_MODULES = set()
 
 def _module_path(refs):
     """Dotted path of the innermost module, as ``named_modules()`` names it:
-    "" for the root, None outside any module."""
+    "" for the root, None outside any module. Wrappers (``WRAPPER_MODULES``:
+    a ``torch.compile``'d layer's ``OptimizedModule``) are not part of it: a
+    leading one is skipped, and below one in the middle the wrapped module
+    takes the wrapper's name, so compiling a layer does not change the paths
+    and ids of its ops (``layers.0.attn``, not ``layers.0._orig_mod.attn``)."""
     if WRAPPER_MODULES:
         refs = _below_wrappers(refs)
     if not refs:
@@ -41,7 +45,8 @@ def _module_path(refs):
     parent = refs[0]()
     for ref in refs[1:]:
         child = ref()
-        parts.append(_child_name(parent, child))
+        if not (WRAPPER_MODULES and type(parent) in WRAPPER_MODULES):
+            parts.append(_child_name(parent, child))
         parent = child
     return ".".join(parts)
 
