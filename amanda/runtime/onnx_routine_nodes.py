@@ -15,8 +15,6 @@ helpers):
 
 from __future__ import annotations
 
-import dis
-import inspect
 import warnings
 
 import numpy as np
@@ -26,6 +24,7 @@ from amanda.errors import AmandaError, BackendError, ToolError, describe
 from amanda.runtime.onnx_host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLOT, _Callback,
                                       _catalog, _register_callback)
 from amanda.runtime.onnx_portable import NotNative, PortableEmitter
+from amanda.runtime.routines import returns_only_none  # noqa: F401  (its home: shared with TF)
 
 
 class RoutineNodes:
@@ -254,32 +253,6 @@ class RoutineNodes:
         names = {t.name for t in self.graph_proto.initializer}
         name = next((n for n in names if n.startswith("amanda.trigger")), None)
         return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
-
-
-def returns_only_none(func):
-    """Whether ``func`` can only return None (its code has no other return).
-
-    Read from the bytecode, conservatively: a routine whose every ``return``
-    returns the constant None observes only, whatever it is called with, so
-    its results need not flow back into the graph. Anything else (another
-    return value, a generator, a callable without code) may replace.
-    """
-    func = getattr(func, "__func__", func)
-    code = getattr(func, "__code__", None)
-    if code is None or code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE
-                                        | inspect.CO_ASYNC_GENERATOR):
-        return False
-    previous = None
-    for instruction in dis.get_instructions(code):
-        name = instruction.opname
-        if name == "RETURN_CONST" and instruction.argval is not None:
-            return False
-        if name == "RETURN_VALUE" and (instruction.is_jump_target or previous is None
-                                       or previous.opname != "LOAD_CONST"
-                                       or previous.argval is not None):
-            return False
-        previous = instruction
-    return True
 
 
 def _is_portable(func):

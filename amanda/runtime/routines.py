@@ -8,6 +8,9 @@ length as the selection (``None`` entries keep the original).
 
 from __future__ import annotations
 
+import dis
+import inspect
+
 from amanda.errors import AmandaError, ToolError
 
 
@@ -109,3 +112,29 @@ def _error(action, where, message):
     op_name, op_id, namespace = where
     return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
                      routine=action.func, op_name=op_name, op_id=op_id, namespace=namespace)
+
+
+def returns_only_none(func):
+    """Whether ``func`` can only return None (its code has no other return).
+
+    Read from the bytecode, conservatively: a routine whose every ``return``
+    returns the constant None observes only, whatever it is called with, so
+    its results need not flow back into the graph. Anything else (another
+    return value, a generator, a callable without code) may replace.
+    """
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    if code is None or code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE
+                                        | inspect.CO_ASYNC_GENERATOR):
+        return False
+    previous = None
+    for instruction in dis.get_instructions(code):
+        name = instruction.opname
+        if name == "RETURN_CONST" and instruction.argval is not None:
+            return False
+        if name == "RETURN_VALUE" and (instruction.is_jump_target or previous is None
+                                       or previous.opname != "LOAD_CONST"
+                                       or previous.argval is not None):
+            return False
+        previous = instruction
+    return True

@@ -18,6 +18,7 @@ from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TW
                                               _origin, _warn_xla_compiled, _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _observer, _replacer,
                                                _shaped, _tool_error, _user_stacklevel)
+from amanda.runtime.tensorflow_observe import _Observers, _reaches
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _BodiesBackend, _probing
 
 
@@ -146,6 +147,7 @@ class _GraphRewrite:
         # ops differentiate, None for a graph that is no gradient body
         self.gradient_of = None
         self.whole = True           # a whole program (graph tools get it), not a function body
+        self.observers = _Observers()   # routines called after Session.run (off unless enabled)
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -393,6 +395,7 @@ class _GraphRewrite:
                 else:
                     self._rewire(op, made)
         self._control_users = None
+        self.observers.link(lowered)
 
     def _tensor_in_copy(self, ir_tensor, made):
         producer = ir_tensor.producer
@@ -416,8 +419,11 @@ class _GraphRewrite:
         inputs = [self._tensor_in_copy(t, made) for t in op.inputs]
         replacing = op.attrs["kind"].startswith("replace")
         like = list(target.outputs) if replacing else inputs
+        if self.observers.fetch(self, op, action, where, inputs):
+            return self.realised[action]
         if portable.is_portable(action.func):
             tensors = self._native(action, where, inputs, like, replacing, target)
+            self.observers.ran_by[action] = [t.op.name for t, o in zip(tensors, like) if t is not o]
             self.realised[action] = tensors
             self._record_final(op, tensors)
             return tensors
@@ -454,6 +460,7 @@ class _GraphRewrite:
             for i, flag, new in zip(hosted, results, results[len(hosted):]):
                 tensors[i] = _chosen(like[i], new, flag)
         if routine is not None:
+            self.observers.ran_by[action] = [routine.name]
             origins = [self.copy.get_tensor_by_name(_origin(t)) for t in op.inputs]
             self._before_writers(routine, origins, inputs)
             if op.attrs["kind"].startswith("after"):
@@ -511,27 +518,8 @@ class _GraphRewrite:
                 continue   # only reads of variables are ordered before their writes
             for writer in self._waiting_on(tensor.op):
                 if (writer._is_stateful and writer is not routine
-                        and not self._reaches(writer, inputs)):
+                        and not _reaches(writer, inputs)):
                     writer._add_control_input(routine)
-
-    @staticmethod
-    def _reaches(start, inputs, limit=10000):
-        """Whether ``start`` is an ancestor of one of ``inputs`` (an edge from
-        the routine reading them to ``start`` would close a cycle); also True
-        when the search gives up after ``limit`` ops."""
-        goals = {t.op for t in inputs}
-        seen, stack = {start}, [start]
-        while stack:
-            op = stack.pop()
-            if op in goals or len(seen) > limit:
-                return True
-            followers = [c for out in op.outputs for c in out.consumers()]
-            followers += op._control_outputs
-            for follower in followers:
-                if follower not in seen:
-                    seen.add(follower)
-                    stack.append(follower)
-        return False
 
     def _order(self, kind, target, routine):
         """Make a routine that passes no tensor run before/after its op.

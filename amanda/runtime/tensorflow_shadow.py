@@ -30,6 +30,7 @@ class _Shadow:
         self.rewrite = _GraphRewrite(self.user_graph, session, tf.Graph(),
                                      lambda: _session_rewrites(config))
         self.copy = self.rewrite.copy
+        self.rewrite.observers.enabled = True   # observers may run after the run
         self.session = None
         self.sync = _VariableSync(self)
         self._elements = {}   # user fetch/feed element -> its counterpart in the copy
@@ -62,10 +63,16 @@ class _Shadow:
         mapped += [self._cached_fetch(op) for op in handler.targets()]
         values = []
         if mapped:
+            observers = self.rewrite.observers
+            extra, targets, calls = (observers.plan(
+                self.copy, mapped, frozenset(t.name for t in tensors),
+                frozenset(t.name for t in feeds)) if observers.records else ((), (), ()))
             self.sync.writes.ran(mapped)
             with _surface():
-                values = _original_run(self.session, mapped, feeds or None, options,
-                                       run_metadata)
+                values = _original_run(self.session, [*mapped, *extra, *targets], feeds or None,
+                                       options, run_metadata)
+            if calls:   # observe-only routines, after the run (tensorflow_observe)
+                observers.call(calls, values[len(mapped):len(mapped) + len(extra)])
         return handler.build_results(self.user_session, values[:len(tensors)])
 
     def _feeds(self, feed_dict):

@@ -1,0 +1,257 @@
+"""TensorFlow graph mode: observe-only routines called after ``Session.run``.
+
+A routine that can only return None (`returns_only_none`) at the top level
+of a ``Session.run`` graph need not sit inside the graph as a
+``tf.numpy_function``: the tensors it reads are fetched as extra fetches of
+the shadow session's run, and the routine is called after the run, on
+read-only arrays, once per run in which it would have run as a callback
+(`_Observers`). No Python callback crosses into the run per op, and the
+arrays are the run's own results (no copy), so the cost per point does not
+grow with the tensor.
+
+Routines stay hosted in the graph (``tensorflow_hosting``) where fetching is
+impossible or would change what runs: in function bodies and ``tf.function``,
+in graphs with v1 control flow (a tensor behind a ``Switch`` may be dead),
+for tensors that cannot leave TensorFlow (resource, variant, string,
+references), for routines that pass no tensor, inside
+`amanda.runtime.observation.hosted_observation` (timing tools), and once the
+observed bytes of a graph exceed `observation_budget`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from amanda import controls, portable
+from amanda.passes.lower_actions import ROUTINE
+from amanda.runtime.observation import fetch_budget
+from amanda.runtime.routines import call_routine, returns_only_none
+from amanda.runtime.tensorflow_bodies import _origin
+from amanda.runtime.tensorflow_hosting import _crosses_to_python, _is_array, _read_only
+
+#: v1 control flow: a tensor behind a Switch may be dead, and fetching a dead
+#: tensor fails the run
+_V1_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+                      "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
+                      "ControlTrigger"})
+
+_OBSERVING = ("before_op", "after_op", "before_backward_op", "after_backward_op")
+
+
+class _Fetched:
+    """One routine called after the run."""
+
+    __slots__ = ("action", "where", "tensors", "after", "origins", "index", "readers",
+                 "fetch_names", "also_run")
+
+    def __init__(self, action, where, tensors, after, origins, index, also_run):
+        self.action = action
+        self.where = where
+        self.tensors = tensors          # names of the copy's tensors it reads
+        self.after = after              # an after point: fetching its tensor runs it
+        self.origins = origins          # the user's tensors behind them
+        self.index = index              # program order (realisation order: topological)
+        self.readers = frozenset()      # copy ops whose execution means it runs
+        self.fetch_names = frozenset()  # user tensors whose fetch means it runs
+        self.also_run = also_run        # hosted bare before-routines it waits on
+
+
+class _Observers:
+    """The observe-only routines of one ``Session.run`` graph that run after
+    the run, and which of them each run calls (memoised per fetches and feeds).
+
+    A fetched routine runs in a run exactly when its callback would have: when
+    an op that would have read its results executes (found from the lowered
+    graph: the op it instruments, that op's backward ops for a before point,
+    the other consumers for an after point, through chains of routines), or
+    when a fetched tensor would have been read through it (after points).
+    """
+
+    def __init__(self):
+        self.enabled = False  # set for Session.run graphs (`_Shadow`)
+        self.records = {}     # action -> _Fetched
+        self.ran_by = {}      # action -> copy ops running a hosted or native routine
+        self._version = None
+        self.bytes = 0
+        self._seen = set()    # names of observed tensors counted in `bytes`
+        self.v1_flow = False
+        self._plans = {}
+
+    # -- while the graph is rewritten ---------------------------------------------
+
+    def takes(self, op, action, inputs, portable):
+        """Whether the routine of IR routine ``op`` is called after the run."""
+        if (portable or self.v1_flow or op.attrs["kind"] not in _OBSERVING or not inputs
+                or not all(_crosses_to_python(t.dtype) for t in inputs)
+                or not returns_only_none(action.func)):
+            return False
+        budget = fetch_budget()
+        if budget is None:
+            return False
+        new = {t.name: _nbytes(t) for t in inputs if t.name not in self._seen}
+        if self.bytes + sum(new.values()) > budget:
+            return False
+        self.bytes += sum(new.values())
+        self._seen.update(new)
+        return True
+
+    def fetch(self, rewrite, op, action, where, inputs):
+        """Take the routine of IR routine ``op`` (inputs: its tensors in the
+        copy) to be called after the run, if it can be. Returns whether it
+        was; then its results (its inputs, passed on) are recorded in
+        ``rewrite`` as a hosted routine's would be."""
+        if not self.enabled:
+            return False
+        graph = rewrite.user_graph
+        if self._version != graph.version:
+            self._version = graph.version
+            self.v1_flow = self.v1_flow or any(o.type in _V1_FLOW for o in graph.get_operations())
+        if not self.takes(op, action, inputs, portable.is_portable(action.func)):
+            return False
+        rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
+        also_run = rewrite._bare_before.get(op.attrs["target"], ())
+        self.records[action] = _Fetched(
+            action, where, [t.name for t in inputs], op.attrs["kind"].startswith("after"),
+            [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run])
+        tensors = rewrite.realised[action] = list(inputs)
+        rewrite._record_final(op, tensors)
+        return True
+
+    def link(self, lowered):
+        """Find each fetched routine's readers in the lowered graph (done anew
+        at every rewrite: new ops may read old routines' results).
+
+        Args:
+            lowered: the lowered IR graph (all routine ops of the graph).
+
+        ``ran_by``: action -> names of the copy ops that run a hosted or
+        native routine (absent or empty: the routine passes its tensors on).
+        """
+        self._plans.clear()
+        if not self.records:
+            return
+        memo = {}
+
+        def reach(ir_op):
+            found = memo.get(ir_op)
+            if found is not None:
+                return found
+            memo[ir_op] = (set(), set())   # a cycle cannot happen; guard anyway
+            readers, names = set(), set()
+            action = ir_op.attrs.get("action")
+            record = self.records.get(action)
+            if record is not None and record.after:
+                names.update(record.origins)
+            for tensor in ir_op.outputs:
+                for user, _ in tensor.uses:
+                    if user.type != ROUTINE:
+                        readers.add(user.name)
+                        continue
+                    ops = self.ran_by.get(user.attrs.get("action"))
+                    if ops:
+                        readers.update(ops)
+                    else:
+                        more, more_names = reach(user)
+                        readers |= more
+                        names |= more_names
+            memo[ir_op] = (readers, names)
+            return readers, names
+
+        for ir_op in lowered.ops:
+            if ir_op.type == ROUTINE:
+                record = self.records.get(ir_op.attrs.get("action"))
+                if record is not None:
+                    readers, names = reach(ir_op)
+                    record.readers = frozenset(readers)
+                    record.fetch_names = frozenset(names)
+
+    # -- at each run ----------------------------------------------------------------
+
+    def plan(self, copy, mapped, fetched_names, fed_names):
+        """``(extra tensors to fetch, extra ops to run, calls)`` for a run of
+        ``mapped`` (the copy's tensors and ops) fetching the user's tensors
+        ``fetched_names`` with the copy's tensors ``fed_names`` fed; a call
+        is ``(record, [position among the extra fetches per tensor])``."""
+        key = (tuple(id(m) for m in mapped), fetched_names, fed_names)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        executed = _executed(mapped, fed_names)
+        extra, positions, targets, calls = [], {}, [], []
+        for record in sorted(self.records.values(), key=lambda r: r.index):
+            if not (record.readers & executed or record.fetch_names & fetched_names):
+                continue
+            slots = []
+            for name in record.tensors:
+                if name not in positions:
+                    positions[name] = len(extra)
+                    extra.append(copy.get_tensor_by_name(name))
+                slots.append(positions[name])
+            targets.extend(copy.get_operation_by_name(n) for n in record.also_run)
+            calls.append((record, slots))
+        found = self._plans[key] = (extra, list(dict.fromkeys(targets)), calls)
+        return found
+
+    @staticmethod
+    def call(calls, values):
+        """Call the routines in program order on read-only views of ``values``."""
+        with controls.muted():   # a routine's own runs stay plain
+            for record, slots in calls:
+                call_routine(record.action, [_read_only(values[s]) for s in slots], _is_array,
+                             record.where)
+
+
+def _nbytes(tensor):
+    count = 1
+    for dim in (tensor.shape.as_list() if tensor.shape.rank is not None else ()):
+        count *= dim if dim else 1
+    try:
+        size = np.dtype(tensor.dtype.as_numpy_dtype).itemsize
+    except TypeError:
+        size = 0
+    return count * size
+
+
+def _executed(mapped, fed_names):
+    """Names of the copy's ops a run of ``mapped`` executes: their ancestors,
+    through data and control edges, a fed tensor's producer not reached
+    through that tensor."""
+    seen = set()
+    stack = []
+    for element in mapped:
+        if hasattr(element, "op") and not hasattr(element, "node_def"):   # a tensor
+            if element.name not in fed_names:
+                stack.append(element.op)
+        else:
+            stack.append(element)
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        for tensor in op.inputs:
+            if tensor.name not in fed_names and tensor.op.name not in seen:
+                stack.append(tensor.op)
+        for control in op.control_inputs:
+            if control.name not in seen:
+                stack.append(control)
+    return frozenset(seen)
+
+
+def _reaches(start, inputs, limit=10000):
+    """Whether ``start`` is an ancestor of one of ``inputs`` (an edge from
+    the routine reading them to ``start`` would close a cycle); also True
+    when the search gives up after ``limit`` ops."""
+    goals = {t.op for t in inputs}
+    seen, stack = {start}, [start]
+    while stack:
+        op = stack.pop()
+        if op in goals or len(seen) > limit:
+            return True
+        followers = [c for out in op.outputs for c in out.consumers()]
+        followers += op._control_outputs
+        for follower in followers:
+            if follower not in seen:
+                seen.add(follower)
+                stack.append(follower)
+    return False
