@@ -21,6 +21,7 @@ observed bytes of a graph exceed `observation_budget`.
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 from amanda import controls, portable
 from amanda.passes.lower_actions import ROUTINE
@@ -74,6 +75,7 @@ class _Observers:
         self._version = None
         self.bytes = 0
         self._seen = set()    # names of observed tensors counted in `bytes`
+        self._reads = {}      # observed tensor name -> name of the identity fetched for it
         self.v1_flow = False
         self._plans = {}
 
@@ -111,11 +113,19 @@ class _Observers:
         rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
         also_run = rewrite._bare_before.get(op.attrs["target"], ())
         self.records[action] = _Fetched(
-            action, where, [t.name for t in inputs], op.attrs["kind"].startswith("after"),
+            action, where, [self._read(rewrite.copy, t) for t in inputs], op.attrs["kind"].startswith("after"),
             [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run])
         tensors = rewrite.realised[action] = list(inputs)
         rewrite._record_final(op, tensors)
         return True
+
+    def _read(self, copy, tensor):
+        """The name of an identity of ``tensor`` to fetch (made once)."""
+        name = self._reads.get(tensor.name)
+        if name is None:
+            with copy.as_default():
+                name = self._reads[tensor.name] = tf.identity(tensor, name="amanda/observed").name
+        return name
 
     def link(self, lowered):
         """Find each fetched routine's readers in the lowered graph (done anew
