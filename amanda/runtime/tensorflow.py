@@ -45,6 +45,7 @@ from amanda.runtime.tensorflow_driver import (  # noqa: F401
     DRIVER, TensorFlowGraphDriver, instrument_graph)
 from amanda.runtime.tensorflow_probes import (  # noqa: F401
     NAMESPACE, TFGraphBackend, current_session, evaluate)
+from amanda.runtime.observation import hosted_observation, observation_budget  # noqa: F401
 from amanda.runtime.tensorflow_shadow import current_rewrite  # noqa: F401
 
 __all__ = ["NAMESPACE", "current_session", "evaluate"]
