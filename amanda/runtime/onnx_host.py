@@ -233,6 +233,7 @@ class _Callback:
         self.where = where
         self.count = count
         self.hosted = hosted
+        self._nothing = (None,) * count
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.replacing = replacing
         self.observe = observe
@@ -259,16 +260,20 @@ class _Callback:
 
     def look(self, arrays):
         """Call an observe-only routine on read-only views (see `_FetchPlan`).
+        The caller mutes amanda around its loop of calls (a routine's own
+        sessions are not instrumented).
 
         Raises:
             ToolError: the routine raised; writing into a view is named as such.
         """
-        values = [None] * self.count
-        for i, array in zip(self.hosted, arrays):
-            values[i] = array
+        if self.hosted:
+            values = [None] * self.count
+            for i, array in zip(self.hosted, arrays):
+                values[i] = array
+        else:
+            values = list(self._nothing)   # no tensor it can see (a counter's inputs=[])
         try:
-            with controls.muted():   # a routine's own sessions are not instrumented
-                call_routine(self.action, values, _is_array, self.where)
+            call_routine(self.action, values, _is_array, self.where)
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValueError) and "read-only" in str(cause):

@@ -19,6 +19,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from amanda import controls
 from amanda.errors import BackendError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime import swapped
@@ -405,9 +406,10 @@ class _FetchPlan:
     def call(self, values, feed):
         """Call every routine, in program order, on read-only views of ``values``
         (fetched name -> array), the feed and the model's initializers."""
-        for callback, names in self.calls:
-            arrays = [self._view(name, values, feed) for name in names]
-            callback.look(arrays)
+        with controls.muted():    # once for all routines: their own sessions run plain
+            for callback, names in self.calls:
+                callback.look([self._view(name, values, feed) for name in names]
+                              if names else ())
 
     def _view(self, name, values, feed):
         value = values.get(name)
