@@ -2,8 +2,8 @@
 inside it (TensorFlow ``Session.run`` graphs; imports no framework).
 
 ONNX has the same two scopes (`amanda.runtime.onnx.hosted_observation`,
-`observation_budget`); TensorFlow honours those too when the ONNX runtime is
-loaded, so one ``with`` serves both backends.
+`observation_budget`); TensorFlow honours those too (ONNX does not read
+these: its own live in ``onnx_observe``).
 """
 
 from __future__ import annotations

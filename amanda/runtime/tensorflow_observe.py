@@ -83,10 +83,14 @@ class _Observers:
 
     def takes(self, op, action, inputs, portable):
         """Whether the routine of IR routine ``op`` is called after the run."""
-        if (portable or self.v1_flow or op.attrs["kind"] not in _OBSERVING or not inputs
-                or not all(_crosses_to_python(t.dtype) for t in inputs)
-                or not returns_only_none(action.func)):
+        kind = op.attrs["kind"]
+        if portable or self.v1_flow or kind not in _OBSERVING or not returns_only_none(action.func):
             return False
+        if not inputs and (action.positions is not None or kind.startswith("after")):
+            # nothing selected on purpose (a timer: ordered by control edges
+            # in the run), or an after-point of an op without outputs
+            return False
+        inputs = [t for t in inputs if _crosses_to_python(t.dtype)]
         budget = fetch_budget()
         if budget is None:
             return False
@@ -113,7 +117,8 @@ class _Observers:
         rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
         also_run = rewrite._bare_before.get(op.attrs["target"], ())
         self.records[action] = _Fetched(
-            action, where, [self._read(rewrite.copy, t) for t in inputs], op.attrs["kind"].startswith("after"),
+            action, where, [self._read(rewrite.copy, t) if _crosses_to_python(t.dtype) else None
+                            for t in inputs], op.attrs["kind"].startswith("after"),
             [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run])
         tensors = rewrite.realised[action] = list(inputs)
         rewrite._record_final(op, tensors)
@@ -167,13 +172,32 @@ class _Observers:
             memo[ir_op] = (readers, names)
             return readers, names
 
+        after = {}   # target op -> (readers, fetch names) of its after-points
         for ir_op in lowered.ops:
-            if ir_op.type == ROUTINE:
-                record = self.records.get(ir_op.attrs.get("action"))
+            if ir_op.type != ROUTINE:
+                continue
+            action = ir_op.attrs.get("action")
+            record = self.records.get(action)
+            if record is not None:
+                readers, names = reach(ir_op)
+                record.readers = frozenset(readers)
+                record.fetch_names = frozenset(names)
+            if ir_op.attrs["kind"].startswith("after"):
+                readers, names = after.setdefault(ir_op.attrs["target"], (set(), set()))
                 if record is not None:
-                    readers, names = reach(ir_op)
-                    record.readers = frozenset(readers)
-                    record.fetch_names = frozenset(names)
+                    readers |= record.readers
+                    names |= record.fetch_names
+                else:
+                    readers.update(self.ran_by.get(action, ()))
+        for ir_op in lowered.ops:
+            # a before-point passing no tensor (an op without inputs) runs
+            # when its op does, and whenever the op's after-points run (a fed
+            # placeholder): hosted, it is a control input of both
+            record = self.records.get(ir_op.attrs.get("action")) if ir_op.type == ROUTINE else None
+            if record is not None and not record.tensors:
+                readers, names = after.get(ir_op.attrs["target"], ((), ()))
+                record.readers = frozenset(readers) | {ir_op.attrs["target"]}
+                record.fetch_names = frozenset(names)
 
     # -- at each run ----------------------------------------------------------------
 
@@ -193,6 +217,9 @@ class _Observers:
                 continue
             slots = []
             for name in record.tensors:
+                if name is None:   # a tensor that cannot leave TensorFlow
+                    slots.append(None)
+                    continue
                 if name not in positions:
                     positions[name] = len(extra)
                     extra.append(copy.get_tensor_by_name(name))
@@ -207,8 +234,8 @@ class _Observers:
         """Call the routines in program order on read-only views of ``values``."""
         with controls.muted():   # a routine's own runs stay plain
             for record, slots in calls:
-                call_routine(record.action, [_read_only(values[s]) for s in slots], _is_array,
-                             record.where)
+                call_routine(record.action, [None if s is None else _read_only(values[s])
+                                             for s in slots], _is_array, record.where)
 
 
 def _nbytes(tensor):
