@@ -145,10 +145,14 @@ def _built():
     where that is unavailable, the build's peak stays in (``ru_maxrss``).
     """
     try:
+        # RSS first: the high-water mark read after it is at least as high
+        # (reading them the other way round, a page touched in between made
+        # "built" exceed the build's peak)
+        built = _status_kib("VmRSS")
         build_peak = _status_kib("VmHWM")
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
-        return {"built_kib": _status_kib("VmRSS"), "build_peak_kib": build_peak}
+        return {"built_kib": built, "build_peak_kib": build_peak}
     except OSError:
         return {"built_kib": _peak_kib(), "build_peak_kib": _peak_kib()}
 

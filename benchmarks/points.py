@@ -145,7 +145,31 @@ def tensorflow(elements):
 
     tools = {"vanilla": None, "observe": PointTool(target),
              "identity": PointTool(target, identity=True)}
-    return _configs(lambda name: lambda: session.run(y, feed), tools, _amanda_scope), tools
+    import amanda.runtime.tensorflow as amanda_tf
+    hosted = getattr(amanda_tf, "hosted_observation", None)
+    if hosted is not None:   # the tf.numpy_function path observe-only routines took before
+        tools["observe (hosted callbacks)"] = PointTool(target)
+    # no amanda: the plain graph fetching the 31 intermediate tensors too, what
+    # fetching them costs TensorFlow itself (it cannot compute them in place)
+    tools[OUTPUTS] = None
+    outputs = [y] + [graph.get_tensor_by_name(f"neg{i}:0") for i in range(OPS - 1)]
+
+    def scope_for(name, tool):
+        scope = _amanda_scope(name, tool)
+        if "hosted" not in name:
+            return scope
+        return lambda: _both(hosted(), scope())
+
+    def step_for(name):
+        fetches = outputs if name == OUTPUTS else y
+        return lambda: session.run(fetches, feed)
+    return _configs(step_for, tools, scope_for), tools
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def onnx_model(elements):
