@@ -111,7 +111,13 @@ class _Observers:
         graph = rewrite.user_graph
         if self._version != graph.version:
             self._version = graph.version
-            self.v1_flow = self.v1_flow or any(o.type in _V1_FLOW for o in graph.get_operations())
+            # v1 control flow, or v1 reference variables: a tensor read from
+            # one may share its buffer, which a later in-place update in the
+            # same run changes before the run's end (resource variables copy
+            # first while a reader holds the buffer)
+            self.v1_flow = self.v1_flow or any(
+                o.type in _V1_FLOW or any(t.dtype._is_ref_dtype for t in o.outputs)
+                for o in graph.get_operations())
         if not self.takes(op, action, inputs, portable.is_portable(action.func)):
             return False
         rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too

@@ -191,3 +191,29 @@ def test_a_failing_observer_raises_a_tool_error_naming_it():
             session.run(y, {x: np.zeros(2, np.float32)})
         assert not _callbacks(session)
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("use_resource", [True, False])
+def test_a_weight_observed_before_its_update_keeps_its_value(use_resource):
+    """A training step observing the weight its MatMul reads: the value
+    before the update, as the hosted routine saw. A v1 reference variable's
+    read shares the buffer the update then writes in place, so such graphs
+    keep their routines hosted; a resource variable is copied first."""
+    seen = {}
+    for hosted in (False, True):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [2, 4])
+            w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 4), np.float32),
+                                          use_resource=use_resource)
+            loss = tf.reduce_sum(tf.matmul(x, w))
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            init = tf.compat.v1.global_variables_initializer()
+        tool = Record()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(init)
+            with (hosted_observation() if hosted else _nothing()), amanda.apply(tool):
+                session.run([loss, train], {x: np.ones((2, 4), np.float32)})
+        seen[hosted] = tool.seen
+    _same(seen[True], seen[False])
+    np.testing.assert_array_equal(seen[False][("MatMul", "before")][0][1], np.ones((4, 4)))
