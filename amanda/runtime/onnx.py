@@ -60,7 +60,7 @@ from amanda.runtime.onnx_host import (  # noqa: F401
 from amanda.runtime.onnx_instrument import (  # noqa: F401
     OnnxGraphBackend, evaluate, example_feeds, export, instrument_model)
 from amanda.runtime.onnx_lowering import MAX_IR_VERSION, lower  # noqa: F401
-from amanda.runtime.onnx_observe import (  # noqa: F401
+from amanda.runtime.observation import (  # noqa: F401  (shared with TensorFlow)
     OBSERVATION_BUDGET, hosted_observation, observation_budget)
 from amanda.runtime.onnx_routine_nodes import returns_only_none  # noqa: F401
 from amanda.runtime.onnx_session import DRIVER, OnnxRuntimeDriver  # noqa: F401

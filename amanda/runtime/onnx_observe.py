@@ -12,7 +12,6 @@ inside `hosted_observation` they run as host nodes during the run instead.
 from __future__ import annotations
 
 import heapq
-import threading
 
 import numpy as np
 import onnx
@@ -22,7 +21,7 @@ from onnx import numpy_helper
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.passes.lower_actions import ROUTINE
-from amanda.runtime import swapped
+from amanda.runtime.observation import fetch_budget
 from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
@@ -496,35 +495,11 @@ def _fetch_for(session, plan):
         setattr(session, method, _no_fetching(method))
 
 
-_observation = threading.local()   # .hosted: sessions created now host observers;
-#                                    .budget: bytes fetched per run at most
-
-#: default of `observation_budget`: bytes of observed tensors fetched per run
-OBSERVATION_BUDGET = 64 << 20
-
-
-def observation_budget(nbytes):
-    """Sessions created inside fetch at most ``nbytes`` of observed tensors per run.
-
-    Fetching observed tensors as extra outputs (the default for observe-only
-    routines) keeps every one of them alive until the run ends, so peak
-    memory grows by their total size. When that total, estimated when the
-    session is created, exceeds the budget, the session hosts its routines
-    inside the run instead (as in `hosted_observation`), each right after
-    the node producing its tensor, on copies that live for one call. A
-    dimension the model leaves symbolic (a batch) counts as 1 in the
-    estimate. Default: `OBSERVATION_BUDGET` (64 MiB); per thread.
-    """
-    return swapped(_observation, "budget", int(nbytes))
-
-
 def _fetches(graph):
     """Whether a session fetches the observed tensors of the lowered IR
     ``graph`` (see `observation_budget`) rather than hosting its routines."""
-    if getattr(_observation, "hosted", False):
-        return False
-    budget = getattr(_observation, "budget", None)
-    return _observed_bytes(graph) <= (OBSERVATION_BUDGET if budget is None else budget)
+    budget = fetch_budget()
+    return budget is not None and _observed_bytes(graph) <= budget
 
 
 def _observed_bytes(graph):
@@ -554,15 +529,3 @@ def _observed_bytes(graph):
     return total
 
 
-def hosted_observation():
-    """Sessions created inside run observe-only routines inside onnxruntime.
-
-    By default, when every routine of a session only observes, the tensors
-    they read are fetched as extra outputs of ``session.run`` and the routines
-    are called after the run, in program order, on read-only views of
-    onnxruntime's buffers (no copy, whatever the tensor's size). Inside this
-    scope (per thread) they run as Python ops during the run instead, each
-    on a copy of its tensors, next to their ops: for routines whose timing
-    matters, or sessions run with ``run_with_iobinding``/``run_async``.
-    """
-    return swapped(_observation, "hosted", True)
