@@ -4,6 +4,8 @@ between the user's session and amanda's shadow: a scope per training step,
 plain training steps and plain runs between them, by difference against
 plain training."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -61,7 +63,7 @@ def test_sparse_updates_in_scopes_per_step_equal_plain_training(optimizer):
                     with amanda.apply(tool):
                         session.run(train, {ids: batch})
                 seen.append(session.run([table, dense]))        # plain, after the scope
-                with amanda.apply(tool) if tool is not None else _nothing():
+                with amanda.apply(tool) if tool is not None else contextlib.nullcontext():
                     seen.append(session.run(loss, {ids: batch}))  # inside a new scope
         return seen
 
@@ -74,13 +76,6 @@ def test_sparse_updates_in_scopes_per_step_equal_plain_training(optimizer):
                         np.atleast_1d(b) if np.isscalar(b) else b):
             np.testing.assert_array_equal(p, q)
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("inside", [True, False])
@@ -102,10 +97,10 @@ def test_a_fed_value_assigned_to_a_variable_is_not_shared_with_the_callers_array
             session.run(init)
             for step in range(3):
                 scoped = tool is not None and (inside or step % 2)
-                with amanda.apply(tool) if scoped else _nothing():
+                with amanda.apply(tool) if scoped else contextlib.nullcontext():
                     session.run(assign, {value: fed})
                 fed += 100                     # the caller reuses its array
-                with amanda.apply(tool) if tool is not None else _nothing():
+                with amanda.apply(tool) if tool is not None else contextlib.nullcontext():
                     seen.append(session.run(doubled))
                 seen.append(session.run(var))
         return seen
