@@ -25,6 +25,7 @@ from amanda.frontends.onnx_weightless import weightless_copy
 from amanda.passes.instrumentation import GraphBackend
 from amanda.passes.manager import PassResult
 from amanda.passes.pipeline import instrument_graph
+from amanda.runtime import probe as _probe
 from amanda.runtime import swapped
 from amanda.runtime.onnx_bodies import _analyse_bodies, _bodies, _lower_bodies
 from amanda.runtime.onnx_host import _original_init
@@ -61,9 +62,10 @@ class OnnxGraphBackend(GraphBackend):
         return symbol
 
 
-# -- values for analysis routines -------------------------------------------------
+# -- values for analysis routines (the probe: amanda.runtime.probe) -----------------
 
-_analysis = threading.local()
+_BACKEND = "onnx"
+_analysis = threading.local()   # .feeds: example_feeds
 
 
 def example_feeds(feeds):
@@ -97,14 +99,12 @@ def evaluate(values):
         BackendError: called outside analysis, or the tensor needs graph
             inputs that no :func:`example_feeds` gave.
     """
-    probe = getattr(_analysis, "probe", None)
-    if probe is None:
-        raise BackendError("amanda.runtime.onnx.evaluate() works only while analysis routines "
-                           "run on an ONNX model")
-    single = not isinstance(values, (list, tuple))
-    names = [v if isinstance(v, str) else v.name for v in ([values] if single else values)]
-    result = probe.evaluate(names)
-    return result[0] if single else result
+    return _probe.evaluate(_BACKEND, values, "amanda.runtime.onnx.evaluate() works only while "
+                           "analysis routines run on an ONNX model", _name)
+
+
+def _name(value):
+    return value if isinstance(value, str) else value.name
 
 
 class _Probe:
@@ -197,7 +197,7 @@ class _Probe:
 
 
 def _probing(probe):
-    return swapped(_analysis, "probe", probe)
+    return _probe.probing(_BACKEND, probe)
 
 
 def _instrument(model, session, callbacks):

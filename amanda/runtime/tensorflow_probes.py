@@ -14,9 +14,8 @@ import tensorflow as tf
 from tensorflow.python.client import session as _tf_session
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
-from amanda.errors import BackendError
 from amanda.passes.instrumentation import GraphBackend
-from amanda.runtime import swapped
+from amanda.runtime import probe as _probe
 
 
 NAMESPACE = f"tensorflow/{tf.__version__}/graph"
@@ -68,9 +67,9 @@ class _BodiesBackend(TFGraphBackend):
         return self.raw_op(ir_tensor.producer).outputs[ir_tensor.index]
 
 
-# -- values for analysis routines -----------------------------------------------
+# -- values for analysis routines (the probes: amanda.runtime.probe) ---------------
 
-_analysis = threading.local()
+_BACKEND = "tensorflow"
 
 
 def current_session():
@@ -85,7 +84,7 @@ def current_session():
         The session, or None outside analysis and while a ``tf.function`` is
         being rewritten (use `evaluate` there).
     """
-    probe = getattr(_analysis, "probe", None)
+    probe = _probe.current(_BACKEND)
     return None if probe is None else probe.session()
 
 
@@ -108,17 +107,12 @@ def evaluate(tensors):
     Raises:
         BackendError: called outside analysis in TensorFlow graph mode.
     """
-    probe = getattr(_analysis, "probe", None)
-    if probe is None:
-        raise BackendError("amanda.runtime.tensorflow.evaluate() works only while analysis "
-                           "routines run on a TensorFlow graph")
-    if isinstance(tensors, (list, tuple)):
-        return list(probe.evaluate(list(tensors)))
-    return probe.evaluate([tensors])[0]
+    return _probe.evaluate(_BACKEND, tensors, "amanda.runtime.tensorflow.evaluate() works only "
+                           "while analysis routines run on a TensorFlow graph")
 
 
 def _probing(probe):
-    return swapped(_analysis, "probe", probe)
+    return _probe.probing(_BACKEND, probe)
 
 
 class _SessionProbe:
