@@ -75,3 +75,17 @@ class NotBitExactWarning(UserWarning):
     for a reason of the backend (e.g. TensorFlow's Grappler rewrites float
     expressions that routines between ops break up). The warning names the
     settings at which outputs are bit-identical."""
+
+
+def user_stacklevel(*modules):
+    """The ``warnings.warn`` stacklevel, counted from the caller of this
+    function, that names the user's line: the first frame outside amanda and
+    the given framework ``modules`` (their package directories)."""
+    import os
+    import sys
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__))
+                 for m in (sys.modules["amanda"], *modules))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level

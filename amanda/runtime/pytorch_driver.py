@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
 from torch.nn.modules import module as _torch_module
 
+from amanda.errors import NotInstrumentedWarning, user_stacklevel
 from amanda.runtime import pytorch_records as _records
 from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
 from amanda.runtime.pytorch_records import _Cache, _StraightThrough
@@ -25,6 +27,32 @@ from amanda.runtime.pytorch_routines import _grad_enabled
 from amanda.runtime.pytorch_segments import (
     _FORWARD, _RECOMPUTE, _checkpoint_role, _in_backward, _state, _tls)
 from amanda.runtime.pytorch_sites import _CONTROLS, _getframe
+
+
+_SCRIPT_MODULE = torch.jit.ScriptModule
+
+
+def _warn_scripted(st, module):
+    """A TorchScript module (``torch.jit.script``/``trace``) runs its ops in
+    TorchScript's interpreter, which never reaches ``__torch_function__``: say
+    so once per module and scope rather than count nothing silently."""
+    st.scripted.add(id(module))
+    name = next((n for n, _ in _named_parents(st, module)), None)
+    where = f" ({name})" if name else ""
+    kind = getattr(module, "original_name", None) or type(module).__name__
+    warnings.warn(
+        f"amanda: {kind}{where} is a TorchScript module; the ops it runs "
+        "are executed by TorchScript, not seen by amanda, and get no instrumentation "
+        "points (run the eager module inside apply instead). See docs/pytorch-eager.md, "
+        "Limits.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+
+
+def _named_parents(st, module):
+    """(name, parent) for ``module`` in the module being called around it."""
+    parent = st.modules[-1]() if st.modules else None
+    if parent is None:
+        return ()
+    return [(n, parent) for n, child in parent.named_children() if child is module]
 
 
 def _module_pre_hook(module, args):
@@ -47,6 +75,8 @@ def _module_pre_hook(module, args):
     if _COMPILE["prior"] is None and type(module).__name__ == "OptimizedModule":
         with DRIVER._lock:
             _compile_eagerly()     # compiled after apply was entered
+    if isinstance(module, _SCRIPT_MODULE) and id(module) not in st.scripted:
+        _warn_scripted(st, module)
     modules = st.modules
     role, token = _checkpoint_role(_getframe(1))
     if _in_backward() != -1:

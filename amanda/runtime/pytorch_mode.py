@@ -9,14 +9,19 @@ the op directly (nothing to do) or runs it with its points and actions
 
 from __future__ import annotations
 
+import dis
+import contextlib
+import warnings
+
+import torch
 from torch.overrides import TorchFunctionMode
 
-from amanda.errors import ToolError
+from amanda.errors import NotInstrumentedWarning, ToolError, user_stacklevel
 from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
 from amanda.runtime.pytorch_records import _OpRecord, _stable_id
 from amanda.runtime.pytorch_routines import (
     _analyse, _apply_actions, _check_replacement, _grad_enabled, _output_spec, _replace)
-from amanda.runtime.pytorch_segments import _in_backward
+from amanda.runtime.pytorch_segments import _in_backward, _state
 from amanda.runtime.pytorch_sites import (
     _CODE_KIND, _CONTROLS, _FUNCS, _NOT_A_POINT, _SITE, _calling_site, _classify, _getframe,
     _sequence_nr, _Tensor)
@@ -71,6 +76,33 @@ def _child_name(parent, child):
     return type(child).__name__
 
 
+# The instruction that calls an op, as the frame reports it (``f_lasti``),
+# depends on how the interpreter made the call, not only on the code: from
+# CPython 3.11, a call of a Python function (``F.layer_norm``, which hands the
+# call to the mode) made inline by the interpreter leaves ``f_lasti`` on the
+# last inline-cache entry of the ``CALL``; made through the C API it leaves it
+# on the ``CALL`` itself, and the interpreter never inlines while a PEP 523
+# frame evaluator is installed (Dynamo's, during a ``torch.compile``d call);
+# a specialized 3.11 ``PRECALL`` makes some calls of builtins itself. Op keys
+# (and so occurrence counts and ids) name the ``CALL`` instruction, whichever
+# way the interpreter went (`_call_instruction`).
+_CACHE = dis.opmap.get("CACHE")
+_PRECALL = dis.opmap.get("PRECALL")
+_NOT_THE_CALL = tuple(op in (_CACHE, _PRECALL) for op in range(256))
+
+
+def _call_instruction(code, lasti):
+    """The offset of the instruction that made the call ``f_lasti`` stands
+    for: back from an inline-cache entry to its instruction, forward from a
+    3.11 ``PRECALL`` to its ``CALL``."""
+    raw = code.co_code
+    while lasti > 0 and raw[lasti] == _CACHE:
+        lasti -= 2
+    if raw[lasti] == _PRECALL:
+        lasti += 2 * (1 + dis._inline_cache_entries[_PRECALL])
+    return lasti
+
+
 class _Mode(TorchFunctionMode):
     """Sees every torch call; the hot path of the eager driver."""
 
@@ -93,7 +125,11 @@ class _Mode(TorchFunctionMode):
             return _machinery_call(func, args, kwargs)
         st = self.st
         modules = st.modules
-        key = (modules[-1] if modules else None, id(frame.f_code), frame.f_lasti, func)
+        code = frame.f_code
+        lasti = frame.f_lasti
+        if _NOT_THE_CALL[code.co_code[lasti]]:
+            lasti = _call_instruction(code, lasti)
+        key = (modules[-1] if modules else None, id(code), lasti, func)
         if st.recomputing and _in_backward() == -1:
             st.end_recompute()             # the backward pass is over
             modules = st.modules
@@ -107,6 +143,8 @@ class _Mode(TorchFunctionMode):
         cache = st.cache
         record = cache.records.get((key, n))
         if record is None:
+            if _tracer(st) is not None:
+                return _traced_call(st, func, args, kwargs)
             if func not in _PRODUCERS and not _has_tensor(args, kwargs):
                 return _first_call_without_tensors(st, cache, key, n, name, func, frame,
                                                    args, kwargs)
@@ -115,12 +153,71 @@ class _Mode(TorchFunctionMode):
         if fast and cache.trace is None and _CONTROLS.cache:
             if fast is True or not _grad_enabled():
                 return func(*args, **kwargs)
+            if _tracer(st) is not None:
+                return _traced_call(st, func, args, kwargs)
             mark = _sequence_nr()
             result = func(*args, **kwargs)
             if _sequence_nr() - mark != record.nodes:
                 _walk_again(cache, record, args, kwargs, result, mark)
             return result
+        if _tracer(st) is not None:
+            return _traced_call(st, func, args, kwargs)
         return _run_op(cache, record, func, args, kwargs)
+
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+_jit_tracing_state = torch._C._get_tracing_state
+_is_exporting = torch.compiler.is_exporting
+
+
+def _tracer(st):
+    """What traces the current torch call instead of executing it, or None:
+    an FX proxy mode (``make_fx``, ``torch.export``, AOTAutograd), fake
+    tensors (``FakeTensorMode``: shapes only) or the TorchScript tracer
+    (``torch.jit.trace``; not while ``amanda.export`` records the
+    instrumented model with it: `recording_instrumented_trace`). Checked on
+    the slow paths only: an op with nothing to do runs the same traced or
+    not."""
+    if _get_dispatch_mode(_PROXY_MODE) is not None:
+        return "an FX tracer (make_fx, torch.export, AOTAutograd)"
+    if _get_dispatch_mode(_FAKE_MODE) is not None:
+        return "fake tensors (FakeTensorMode, torch.export)"
+    if _jit_tracing_state() is not None and not st.instrumented_trace:
+        return "torch.jit.trace"
+    if _is_exporting():
+        return "torch.export"
+    return None
+
+
+@contextlib.contextmanager
+def recording_instrumented_trace():
+    """Inside, the TorchScript tracer records the instrumented ops and their
+    routines (``amanda.export``'s own trace) instead of the plain program."""
+    st = _state()
+    prior = st.instrumented_trace
+    st.instrumented_trace = True
+    try:
+        yield
+    finally:
+        st.instrumented_trace = prior
+
+
+def _traced_call(st, func, args, kwargs):
+    """A call that a tracer records rather than executes: not a point. It
+    gets no analysis, no routine and no backward hook, so the traced program
+    is the plain one and no routine sees a fake tensor or a proxy; amanda
+    says so once per scope."""
+    if not st.traced_warned:
+        st.traced_warned = True
+        warnings.warn(
+            f"amanda: torch calls traced by {_tracer(st)} inside apply are recorded, not "
+            "executed: they get no instrumentation points and the traced program is the "
+            "uninstrumented one (to export an instrumented model use amanda.export). "
+            "See docs/pytorch-eager.md, Limits.",
+            NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+    return func(*args, **kwargs)
 
 
 def _machinery_call(func, args, kwargs):

@@ -56,6 +56,9 @@ class _ThreadState:
         self.saved = None       # the step's counts, while recomputing
         self.muted = None       # the controls.muted() of a muted recomputation, until it ends
         self.segment_cache = None   # the scope's cache, while a segment runs under another
+        self.scripted = set()   # ids of TorchScript modules warned about in this scope
+        self.traced_warned = False  # whether this scope said that tracing gets no points
+        self.instrumented_trace = False   # amanda.export's trace records the routines
 
     def new_step(self):
         self.counts.clear()
@@ -167,6 +170,8 @@ class _ThreadState:
         self.end_recompute()
         self.new_step()
         self.modules.clear()
+        self.scripted.clear()
+        self.traced_warned = False
         self.base = 0
 
 

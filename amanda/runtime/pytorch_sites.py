@@ -35,7 +35,9 @@ __repr__ __str__ __format__ __hash__ __reduce_ex__ __setstate__ __getstate__ __d
 __iter__ __contains__ __dlpack__ __dlpack_device__ backward register_hook
 register_post_accumulate_grad_hook retain_grad requires_grad_ untyped_storage storage
 _typed_storage is_shared is_pinned is_set_to has_names is_inference dim_order __set__
-__delete__ _is_view is_same_size __torch_function__ __get__
+__delete__ _is_view is_same_size __torch_function__ __get__ is_conj is_neg is_coalesced
+is_distributed _is_zerotensor _nnz dense_dim sparse_dim q_scale q_zero_point qscheme
+q_per_channel_axis
 """.split())
 # Tensor properties that do compute a tensor (views), unlike .shape or .grad.
 _TENSOR_PROPERTIES = frozenset("T mT H mH real imag".split())
@@ -71,6 +73,13 @@ _LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 _MACHINERY_FILES = (os.path.join(_TORCH_DIR, "utils", "checkpoint.py"),)
+# torch's tracers and transforms: a torch call they make themselves (a fake
+# copy of a parameter, a batching or functionalization helper) is not an op
+# of the model; the model's own calls have their site below them, in the
+# model's code.
+_MACHINERY_DIRS = tuple(os.path.join(_TORCH_DIR, *part) + os.sep for part in (
+    ("export",), ("_export",), ("_subclasses",), ("_functorch",), ("_dynamo",),
+    ("fx", "experimental"), ("_higher_order_ops",)))
 _CODE_KIND = {}
 _SEEN_CODE = []
 
@@ -83,7 +92,7 @@ def _code_kind(code):
         if path == _MODULE_FILE:
             kind = _BOUNDARY if code.co_name in ("_call_impl", "_wrapped_call_impl") \
                 else _LIBRARY
-        elif path in _MACHINERY_FILES:
+        elif path in _MACHINERY_FILES or path.startswith(_MACHINERY_DIRS):
             kind = _MACHINERY
         elif path.startswith(_LAYER_DIR):
             kind = _SITE
