@@ -21,9 +21,9 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
-from amanda import controls
-from amanda.errors import AmandaError, BackendError, ToolError
+from amanda.errors import BackendError, ToolError
 from amanda.frontends.onnx import load_model
+from amanda.runtime import host
 from amanda.runtime.routines import call_routine
 
 #: Domain of the custom ops that host Python routines.
@@ -196,14 +196,9 @@ def _register_callback(callback):
     return key
 
 
-def _is_array(value):
-    return isinstance(value, (np.ndarray, np.generic))
-
-
-def _meta(array):
-    """(shape, dtype) of a routine's argument or result, for replacement checks."""
-    array = np.asarray(array)
-    return tuple(array.shape), array.dtype.name
+_is_array = host.is_array
+#: what a tensor the routine receives as None is, in error messages
+_UNHOSTED = "does not reach Python (a dtype onnxruntime-extensions cannot hand over)"
 
 
 class _Callback:
@@ -240,23 +235,17 @@ class _Callback:
         self.constants = {}
 
     def __call__(self, arrays):
-        try:
-            return self._run(arrays)
-        except BaseException as exc:   # noqa: BLE001 - must not reach onnxruntime
-            if isinstance(exc, AmandaError):
-                error = exc
-            else:
-                error = ToolError(f"instrumentation routine ({self.action.kind}) failed: "
-                                  f"{type(exc).__name__}: {exc}", tool=self.action.tool,
-                                  routine=self.action.func, op_name=self.where[0],
-                                  op_id=self.where[1], namespace=self.where[2])
-                error.__cause__ = exc
-            _fail(error)
-            if self.observe:
-                return None
-            if self.replacing:
-                return [np.zeros((), d) for d in self.out_dtypes]
-            return list(arrays)
+        return host.call_muted(self.action, self.where, self._call, arrays, self._failed,
+                               catch=BaseException)   # noqa: BLE001 - must not reach onnxruntime
+
+    def _failed(self, error, arrays):
+        """Keep ``error`` for the run, and hand onnxruntime something."""
+        _fail(error)
+        if self.observe:
+            return None
+        if self.replacing:
+            return [np.zeros((), d) for d in self.out_dtypes]
+        return list(arrays)
 
     def look(self, arrays):
         """Call an observe-only routine on read-only views (see `_FetchPlan`).
@@ -277,52 +266,27 @@ class _Callback:
         except ToolError as exc:
             cause = exc.__cause__
             if isinstance(cause, ValueError) and "read-only" in str(cause):
-                raise ToolError(
-                    f"instrumentation routine ({self.action.kind}) wrote into a tensor it "
-                    "observes: a routine that only returns None receives read-only views of "
-                    "onnxruntime's own buffers, not copies. Copy the array to change it "
-                    "(numpy.array(x)), or return a new array to replace the value",
-                    tool=self.action.tool, routine=self.action.func, op_name=self.where[0],
-                    op_id=self.where[1], namespace=self.where[2]) from cause
+                raise host.tool_error(
+                    self.action, self.where, "wrote into a tensor it observes: a routine that "
+                    "only returns None receives read-only views of onnxruntime's own buffers, "
+                    "not copies. Copy the array to change it (numpy.array(x)), or return a new "
+                    "array to replace the value") from cause
             raise
-
-    def _run(self, arrays):
-        with controls.muted():   # a routine's own sessions are not instrumented
-            return self._call(arrays)
 
     def _call(self, arrays):
         if self.replacing:
-            values = list(arrays)
-        else:
-            values = [None] * self.count
-            for i, array in zip(self.hosted, arrays):
-                values[i] = array
+            # the op's inputs in, one array per output out (onnxruntime copies them)
+            return host.replace(self.action, self.where, list(arrays), self.out_dtypes,
+                                copy=False)
+        values = host.spread(self.count, self.hosted, arrays)
         if self.observe:
             call_routine(self.action, values, _is_array, self.where)
             return None
-        if self.replacing:
-            result = call_routine(self.action, values, _is_array, self.where)
-            if result is None or any(r is None for r in result) or \
-                    len(result) != len(self.out_dtypes):
-                raise ToolError(f"instrumentation routine ({self.action.kind}) must return "
-                                f"{len(self.out_dtypes)} arrays as it replaces the op",
-                                tool=self.action.tool, routine=self.action.func,
-                                op_name=self.where[0], op_id=self.where[1],
-                                namespace=self.where[2])
-            for position, (r, d) in enumerate(zip(result, self.out_dtypes)):
-                if np.asarray(r).dtype != d:
-                    raise ToolError(f"instrumentation routine ({self.action.kind}) returned "
-                                    f"dtype {np.asarray(r).dtype} for output {position}, which "
-                                    f"has dtype {d}; a replacement keeps the dtype",
-                                    tool=self.action.tool, routine=self.action.func,
-                                    op_name=self.where[0], op_id=self.where[1],
-                                    namespace=self.where[2])
-            return [np.asarray(r) for r in result]
-        result = call_routine(self.action, values, _is_array, self.where, meta=_meta)
-        if result is None:
+        new = host.observe(self.action, self.where, values, self.hosted, _UNHOSTED)
+        if new is None:
             return list(arrays)
-        return [array if result[i] is None else np.asarray(result[i])
-                for i, array in zip(self.hosted, arrays)]
+        return [array if replacement is None else np.asarray(replacement)
+                for array, replacement in zip(arrays, new)]
 
 
 _runs = threading.local()

@@ -14,15 +14,17 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from amanda import controls
-from amanda.errors import AmandaError, ToolError
-from amanda.runtime.routines import call_routine, check_replacements, invoke
+from amanda.runtime import host
 
 
-# -- routines as callbacks ----------------------------------------------------------
+# -- routines as callbacks (the host's core: amanda.runtime.host) -------------------
 
-def _is_array(value):
-    return isinstance(value, (np.ndarray, np.generic))
+_is_array = host.is_array
+_read_only = host.read_only
+_tool_error = host.tool_error
+#: what a tensor the routine receives as None is, in error messages
+_UNHOSTED = ("cannot leave TensorFlow (a resource handle, variant, string or variable "
+             "reference)")
 
 
 def _crosses_to_python(dtype):
@@ -33,25 +35,6 @@ def _crosses_to_python(dtype):
     copy made in Python would silently break).
     """
     return not dtype._is_ref_dtype and dtype not in (tf.resource, tf.variant, tf.string)
-
-
-def _read_only(array):
-    """A view the routine cannot write through: the array may share memory
-    with a TensorFlow buffer (a variable's, even), which an in-place update
-    would silently change for every other reader."""
-    if isinstance(array, np.ndarray) and array.flags.writeable:
-        array = array.view()
-        array.flags.writeable = False
-    return array
-
-
-def _meta(array):
-    return tuple(array.shape), array.dtype
-
-
-def _tool_error(action, where, message):
-    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
-                     routine=action.func, op_name=where[0], op_id=where[1], namespace=where[2])
 
 
 # A routine's error is raised on one of TensorFlow's threads and comes back as
@@ -129,20 +112,16 @@ def _keep_cause(error, cause):
 _FAILURE_RE = re.compile(_FAILURE_MARK + r"(\d+)")
 
 
+def _raise_failed(error, arrays):
+    raise _failed(error) from None
+
+
 def _hosting(action, where, run):
     """Run ``run`` as a callback: every error becomes an amanda error that
     `_surface` re-raises in the caller's thread."""
 
     def callback(*arrays):
-        try:
-            with controls.muted():   # TF may call it in the user's thread: a routine's own runs stay plain
-                return run(*arrays)
-        except AmandaError as exc:
-            raise _failed(exc) from None
-        except Exception as exc:   # amanda's own bug: still name the routine
-            error = _tool_error(action, where, f"failed in amanda: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            raise _failed(error) from None
+        return host.call_muted(action, where, run, arrays, _raise_failed)
 
     return callback
 
@@ -187,32 +166,20 @@ def _observer(action, where, count, hosted, dtypes):
     """
     kept = [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
 
-    def run(*arrays):
-        values = [None] * count
-        for i, array in zip(hosted, arrays):
-            values[i] = _read_only(array)
-        result = call_routine(action, values, _is_array, where)
+    def run(arrays):
+        new = host.observe(action, where, host.spread(count, hosted, map(_read_only, arrays)),
+                           hosted, _UNHOSTED)
         if not hosted:
-            if result is not None and any(r is not None for r in result):
-                raise _tool_error(action, where, "returned a replacement for a tensor that "
-                                  "cannot leave TensorFlow (a resource handle, variant, string "
-                                  "or variable reference)")
             return [np.int32(0)]
-        if result is None:
+        if new is None:
             return kept
-        for position, new in enumerate(result):
-            if new is not None and values[position] is None:
-                raise _tool_error(action, where, f"returned a replacement at selected position "
-                                  f"{position}, a tensor that cannot leave TensorFlow (a resource "
-                                  "handle, variant, string or variable reference)")
-        check_replacements(action, values, result, _meta, where)
         flags, arrays_out = [], []
-        for i, placeholder in zip(hosted, kept[len(hosted):]):
-            new = result[i]
-            flags.append(np.bool_(new is not None))
+        for replacement, placeholder in zip(new, kept[len(hosted):]):
+            flags.append(np.bool_(replacement is not None))
             # a copy: the routine may keep its array and change it later,
             # while TensorFlow still reads it
-            arrays_out.append(placeholder if new is None else np.array(new, copy=True))
+            arrays_out.append(placeholder if replacement is None
+                              else np.array(replacement, copy=True))
         return flags + arrays_out
 
     return _hosting(action, where, run)
@@ -223,23 +190,8 @@ def _replacer(action, where, shapes, dtypes):
     array per output of the op out, each with that output's dtype and a
     shape its static shape allows."""
 
-    def run(*arrays):
-        result = invoke(action, [_read_only(a) for a in arrays], where)
-        if _is_array(result):
-            result = [result]
-        if not isinstance(result, (list, tuple)) or len(result) != len(dtypes):
-            raise _tool_error(action, where, f"must return {len(dtypes)} arrays, one per output "
-                              f"of the op; got {type(result).__name__}")
-        out = []
-        for position, (new, shape, dtype) in enumerate(zip(result, shapes, dtypes)):
-            if not _is_array(new) or new.dtype != dtype or not shape.is_compatible_with(new.shape):
-                got = (f"{type(new).__name__}" if not _is_array(new)
-                       else f"shape {list(new.shape)} and dtype {new.dtype}")
-                raise _tool_error(action, where, f"returned {got} for output {position}, which "
-                                  f"has shape {shape} and dtype {np.dtype(dtype)}; a routine must "
-                                  "keep the shape and dtype of the tensor it replaces")
-            out.append(np.array(new, copy=True))
-        return out
+    def run(arrays):
+        return host.replace(action, where, [_read_only(a) for a in arrays], dtypes, shapes)
 
     return _hosting(action, where, run)
 
