@@ -22,7 +22,8 @@ import sys
 
 from benchmarks import harness
 
-SUITES = ("eager", "tf_graph", "flops", "onnx_graph", "points", "memory", "compiled")  # module names under benchmarks/
+SUITES = ("eager", "tf_graph", "flops", "onnx_graph", "points", "memory", "compiled",
+          "counting")  # module names under benchmarks/
 
 
 def parse_args(argv=None):

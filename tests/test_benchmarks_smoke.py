@@ -134,3 +134,85 @@ def test_memory_suite_tf_and_onnx_cases(monkeypatch, tmp_path):
     markdown = memory.render(rows, harness.machine_info())
     assert "| tf | default malloc | tiny | 2 | observe (4 points) |" in markdown
     assert "| onnx | default malloc | tiny | 2 | observe, hosted_observation() |" in markdown
+
+
+def _tiny_onnx():
+    """x -> Relu -> Neg -> y: (model bytes, feeds)."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["h"], name="relu"),
+         onnx.helper.make_node("Neg", ["h"], ["y"], name="neg")], "tiny",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)],
+                                   ir_version=10)
+    return model.SerializeToString(), {"x": np.ones((2, 4), np.float32)}
+
+
+def _tiny_tf_graph():
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        w = tf.Variable(np.ones((3, 2), np.float32), name="w")
+        y = tf.nn.relu(tf.matmul(x, w), name="y")
+        init = tf.compat.v1.global_variables_initializer()
+    return graph, x, y, init, np.ones((2, 3), np.float32)
+
+
+def test_counting_suite_rows_and_counts():
+    from benchmarks import counting
+    data, feeds = _tiny_onnx()
+    result = counting.onnx_counting("tiny", data, feeds, repeats=2, runs=2, warmup=1)
+    assert result["ops"] == 2 and result["observed_tensors"] == 1    # h
+    assert set(result["rows"]) == {"count, inputs=[]", "count, inputs", counting.FETCH_FLOOR}
+    for row in result["rows"].values():
+        assert row["plain_ms"] > 0 and row["ratio"] > 0
+    switching = counting.onnx_switching("tiny", data, feeds, repeats=2, runs=1, warmup=1)
+    assert set(switching["rows"]) == {"scope per step, analysis-only",
+                                      "scope per step, count inputs=[]"}
+    markdown = counting.render([result, switching], harness.machine_info())
+    assert "| onnx | tiny | 2 | count, inputs=[] |" in markdown
+    assert "first scope's session creation" in markdown
+    assert "counting" in run.SUITES
+
+
+@pytest.mark.slow   # imports TensorFlow: ~25 s on the shared VM
+def test_counting_suite_tf_row():
+    from benchmarks import counting
+    result = counting.tf_counting(repeats=1, runs=1, warmup=1, build=_tiny_tf_graph,
+                                  model="tiny")
+    # the variable's handle and read, MatMul, Relu (x is fed)
+    assert result["ops"] == len(counting.executed_ops(*_tiny_fetch())) == 4
+    assert set(result["rows"]) == {"count, inputs=[]", "count, inputs", counting.FETCH_FLOOR}
+    assert "| tf | tiny | 4 | count, inputs |" in counting.render([result],
+                                                                   harness.machine_info())
+
+
+def _tiny_fetch():
+    graph, x, y, _, _ = _tiny_tf_graph()
+    return y, [x]
+
+
+def test_counting_suite_fails_on_a_wrong_count(monkeypatch):
+    """A counter that misses an op must fail the benchmark, not be printed."""
+    from benchmarks import counting
+    data, feeds = _tiny_onnx()
+    real = counting._counter
+
+    def skipping(select_none):
+        tool = real(select_none)
+        count = tool.count
+
+        def twice(*tensors):    # counts every call twice
+            tool.calls += 1
+            count(*tensors)
+        tool.count = twice
+        return tool
+
+    monkeypatch.setattr(counting, "_counter", skipping)
+    with pytest.raises(counting.CountMismatch):
+        counting.onnx_counting("tiny", data, feeds, repeats=1, runs=1, warmup=1)

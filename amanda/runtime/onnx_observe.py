@@ -11,6 +11,7 @@ inside `hosted_observation` they run as host nodes during the run instead.
 
 from __future__ import annotations
 
+import functools
 import heapq
 
 import numpy as np
@@ -19,9 +20,10 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from amanda import controls
-from amanda.errors import BackendError
+from amanda.errors import AmandaError, BackendError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
+from amanda.runtime.routines import _error, returns_only_none
 from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
@@ -367,7 +369,7 @@ class _FetchPlan:
         outputs: the names of the model's own outputs.
     """
 
-    __slots__ = ("calls", "extra", "outputs", "constants", "inputs")
+    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed")
 
     def __init__(self, fetched, proto, outputs):
         self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
@@ -380,6 +382,9 @@ class _FetchPlan:
         for name in dict.fromkeys(n for _, names in fetched for n in names):
             if name not in self.inputs and name not in self.constants:
                 self.extra.append(name)
+        # graph inputs the routines read (taken from the feed at each run)
+        self._fed = [n for n in dict.fromkeys(wanted) if n in self.inputs]
+        self._steps = [_step(callback, names) for callback, names in self.calls]
 
     def bind(self, data, proto):
         """Read the observed initializers: views over ``data`` (the serialized
@@ -404,21 +409,42 @@ class _FetchPlan:
 
     def call(self, values, feed):
         """Call every routine, in program order, on read-only views of ``values``
-        (fetched name -> array), the feed and the model's initializers."""
-        with controls.muted():    # once for all routines: their own sessions run plain
-            for callback, names in self.calls:
-                callback.look([self._view(name, values, feed) for name in names]
-                              if names else ())
+        (fetched name -> array), the feed and the model's initializers.
 
-    def _view(self, name, values, feed):
-        value = values.get(name)
-        if value is None and name in self.inputs and name in feed:
-            value = feed[name]
-            if isinstance(value, ort.OrtValue):
-                value = value.numpy()
-        if value is None:
-            value = self.constants[name]
-        return _read_only(value)
+        One read-only view per tensor and run is made up front; each routine
+        gets a view of it of its own (``view()``, read-only too). A routine
+        that receives no tensor is called directly (`_step`): no list, no
+        view, no per-call scope. The first routine that raises stops the
+        loop: the routines before it have run, the ones after it do not,
+        and its error is raised as the ToolError naming it
+        (`amanda.runtime.routines.invoke`)."""
+        views = self._views(values, feed) if self.constants or self.extra or self._fed else None
+        with controls.muted():    # once for all routines: their own sessions run plain
+            for func, callback, names in self._steps:
+                if names is None:
+                    try:
+                        func()
+                    except AmandaError:
+                        raise
+                    except Exception as exc:
+                        raise _raised(callback, exc) from exc
+                else:
+                    callback.look([views[name].view() for name in names])
+
+    def _views(self, values, feed):
+        """Read-only views of every tensor a routine reads in this run, by name."""
+        views = dict(self.constants)
+        for name in self.extra:
+            views[name] = _read_only(values[name])
+        for name in self._fed:
+            value = values.get(name)
+            if value is None:
+                value = feed.get(name)
+                if isinstance(value, ort.OrtValue):
+                    value = value.numpy()
+            if value is not None:
+                views[name] = _read_only(value)
+        return views
 
 
 def _drop_unread_initializers(proto, names):
@@ -443,6 +469,32 @@ def _drop_unread_initializers(proto, names):
         del proto.initializer[:]
         proto.initializer.extend(keep)
     return dropped
+
+
+def _step(callback, names):
+    """``(func, callback, names)``: how `_FetchPlan.call` calls one routine.
+    A routine that receives no tensor and can only return None
+    (`returns_only_none`; a counter's ``inputs=[]``) is called as ``func()``,
+    its arguments bound here once (``None`` for each selected tensor Python
+    cannot take, and its keyword arguments), ``names`` None; any other goes
+    through ``callback.look`` on views of ``names``, which checks what it
+    returns."""
+    action = callback.action
+    if names or not returns_only_none(action.func):
+        return None, callback, list(names)
+    return _bound(action.func, (None,) * callback.count, action.kwargs), callback, None
+
+
+def _bound(func, args, kwargs):
+    """``func`` with ``args`` and ``kwargs`` bound (``func`` itself when both
+    are empty: a plain call is the cheapest)."""
+    return functools.partial(func, *args, **kwargs) if args or kwargs else func
+
+
+def _raised(callback, exc):
+    """The ToolError for ``exc`` raised by ``callback``'s routine, as
+    `amanda.runtime.routines.invoke` makes it."""
+    return _error(callback.action, callback.where, f"raised {type(exc).__name__}: {exc}")
 
 
 def _read_only(value):

@@ -20,15 +20,18 @@ observed bytes of a graph exceed `observation_budget`.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
 from amanda import controls, portable
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
-from amanda.runtime.routines import call_routine, returns_only_none
+from amanda.errors import AmandaError
+from amanda.runtime.routines import _error, returns_only_none
 from amanda.runtime.tensorflow_bodies import _origin
-from amanda.runtime.tensorflow_hosting import _crosses_to_python, _is_array, _read_only
+from amanda.runtime.tensorflow_hosting import _crosses_to_python, _read_only
 
 #: v1 control flow: a tensor behind a Switch may be dead, and fetching a dead
 #: tensor fails the run
@@ -231,17 +234,53 @@ class _Observers:
                     extra.append(copy.get_tensor_by_name(name))
                 slots.append(positions[name])
             targets.extend(copy.get_operation_by_name(n) for n in record.also_run)
-            calls.append((record, slots))
+            calls.append(_call_step(record, slots))
         found = self._plans[key] = (extra, list(dict.fromkeys(targets)), calls)
         return found
 
     @staticmethod
     def call(calls, values):
-        """Call the routines in program order on read-only views of ``values``."""
+        """Call the routines in program order on read-only views of ``values``
+        (the extra fetches' results).
+
+        Each fetched array gets one read-only view per run, which every
+        routine reading it receives (`_read_only` hands a read-only array on
+        as it is). A routine that receives no tensor is called with the
+        arguments its plan step holds. Fetched routines can only return None
+        (`returns_only_none`), so nothing is checked after a call. The first
+        routine that raises stops the loop (the ones before it have run, the
+        ones after it do not) and its error is raised as the ToolError naming
+        tool, routine and op (`amanda.runtime.routines.invoke`), with it as
+        ``__cause__``."""
+        views = [_read_only(v) for v in values] if values else ()
         with controls.muted():   # a routine's own runs stay plain
-            for record, slots in calls:
-                call_routine(record.action, [None if s is None else _read_only(values[s])
-                                             for s in slots], _is_array, record.where)
+            for func, slots, record in calls:
+                try:
+                    if slots is None:
+                        func()
+                    else:
+                        func(*[None if s is None else views[s] for s in slots])
+                except AmandaError:
+                    raise
+                except Exception as exc:
+                    raise _error(record.action, record.where,
+                                 f"raised {type(exc).__name__}: {exc}") from exc
+
+
+def _call_step(record, slots):
+    """``(func, slots, record)`` for `_Observers.call`, ``func`` with the
+    routine's keyword arguments bound. When the routine receives no array
+    (no tensor selected, or only tensors that cannot leave TensorFlow,
+    passed as None) its positional arguments are bound too and ``slots`` is
+    None: it is called as ``func()``; otherwise ``slots`` are positions
+    among the extra fetches (None for a tensor that cannot leave)."""
+    action = record.action
+    func, kwargs = action.func, action.kwargs
+    if all(s is None for s in slots):
+        args = (None,) * len(slots)
+        return (functools.partial(func, *args, **kwargs) if args or kwargs else func), None, \
+            record
+    return (functools.partial(func, **kwargs) if kwargs else func), tuple(slots), record
 
 
 def _nbytes(tensor):
