@@ -80,8 +80,10 @@ __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "li
 #: compiled callables inside ``apply`` always run eagerly (Dynamo's
 #: ``force_eager`` stance), exactly as eager. Opt-in until reviewed: it was
 #: kept off because some ops got other ids compiled than eagerly (an
-#: ``nn.Conv2d``'s conv, an in-place ``+=``), which now match eager's on the
-#: tested models (docs/pytorch-compiled.md, tests/test_compiled_models.py).
+#: ``nn.Conv2d``'s conv, an in-place ``+=``; ops after Dynamo refused a frame
+#: in the middle of a call), which now match eager's on the tested models and
+#: programs (docs/pytorch-compiled.md, tests/test_compiled_models.py,
+#: tests/test_compiled_refusals.py).
 ENABLED = False
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
@@ -134,6 +136,7 @@ def _pick_callback(callback):
     session = current_session()
     if st is None or not st.depth or session is None:
         return None            # another thread's compiled code while amanda is applied: eagerly
+    caller = None
     if controls.state.disabled:
         choice = _vanilla
     elif session.has_backward or session.requires_graph:
@@ -149,7 +152,7 @@ def _pick_callback(callback):
     stack = torch.overrides._get_current_function_mode_stack()
     if cleanups is None or not stack or stack[-1] is not st.mode:
         return None            # a layout this module does not know: eagerly, never unseen
-    call = _Call(st, choice, callback)
+    call = _Call(st, choice, callback, caller)
     cleanups.append(call.resume)
     return choice(chosen)
 
@@ -189,10 +192,10 @@ def _within_dynamo_limit(st, session, callback, caller):
     Each (session, callable, caller) is a backend of its own, i.e. a cache
     entry of the code Dynamo compiles (shared by every layer of one class);
     past ``torch._dynamo.config.recompile_limit`` Dynamo refuses to compile in
-    the middle of the call, and that late fallback does not give every op
-    eager's id (docs/pytorch-compiled.md). So once the versions of a code
-    target reach the limit less two (one for the vanilla code, one spare), new
-    ones run eagerly from the start, counted in `EAGER_FALLBACKS`."""
+    the middle of the call (which falls back with eager's ids, as any refusal
+    does: docs/pytorch-compiled.md), after it tried. So once the versions of a
+    code target reach the limit less two (one for the vanilla code, one
+    spare), new ones run eagerly from the start, counted in `EAGER_FALLBACKS`."""
     top = st.modules[-1]() if st.modules else None
     inner = getattr(top, "_orig_mod", None)
     target = type(inner) if isinstance(inner, torch.nn.Module) else id(callback)
@@ -270,16 +273,21 @@ class _Call:
     as the call falls back to eager (`fall_back`)."""
 
     __slots__ = ("st", "mode", "saved_hooks", "mute", "choice", "callback", "out", "entered",
-                 "compiled", "module")
+                 "compiled", "module", "caller", "base", "ran")
 
-    def __init__(self, st, choice, callback):
+    def __init__(self, st, choice, callback, caller=None):
         self.st = st
         self.choice = choice
         self.callback = callback
+        self.caller = caller
         self.entered = []      # modules whose calls amanda's pre-hook missed (see _enter_modules)
         self.compiled = False  # a frame of this call got code from Dynamo (its graphs run)
         called = st.modules[-1]() if st.modules else None
         self.module = getattr(called, "_orig_mod", None)   # torch.compile(module)'s module
+        # the module the ops of this call's graphs are counted from (see count_graphs):
+        # the compiled module, or the eager module a compiled function runs in
+        self.base = self.module if self.module is not None or caller is None else called
+        self.ran = []          # LiftedGraph.counts of the graphs that ran in this call
         torch._C._pop_torch_function_stack()
         self.mode = st.mode
         hooks = torch.nn.modules.module
@@ -305,6 +313,8 @@ class _Call:
         calls = _tls.calls
         if self.out:
             self._put_back()
+        if self.ran:
+            self.count_graphs()
         modules = self.st.modules
         for module in reversed(self.entered):   # their calls ended with this call
             if modules and modules[-1]() is module:
@@ -326,7 +336,7 @@ class _Call:
         self.saved_hooks = None
         torch._C._push_on_torch_function_stack(self.mode)
 
-    def fall_back(self, reason):
+    def fall_back(self, reason, refused=None):
         """Dynamo would run code of this call outside its graphs, where amanda
         cannot see it: from now on the call runs eagerly, with amanda's
         machinery back, and the callable stays eager inside ``apply``."""
@@ -335,23 +345,55 @@ class _Call:
             EAGER_FALLBACKS[reason] += 1
         if self.out:
             self._put_back()
-            self._enter_modules()
+            self._enter_modules(refused)
+        if self.ran:
+            self.count_graphs()
 
-    def _enter_modules(self):
+    def count_graphs(self):
+        """Adds the executions of the graphs that ran in this call to eager's
+        occurrence counts of the step, as if their ops had run eagerly, so an
+        op that runs eagerly later in the step (the rest of this call after a
+        fallback, a later call of the callable in the step that falls back or
+        runs eagerly) gets the occurrence, and the id, eager gives it."""
+        ran, self.ran = self.ran, []
+        base = self.base
+        if base is None:
+            return     # a compiled function outside modules: its ops have no occurrence
+        counts = self.st.counts
+        modules = {}
+        for graph in ran:
+            for (below, code, offset, raw), n in graph.items():
+                ref = modules.get(below)
+                if ref is None:
+                    try:
+                        ref = modules[below] = weakref.ref(base.get_submodule(below))
+                    except (AttributeError, TypeError):
+                        continue
+                key = (ref, code, offset, raw)
+                counts[key] = counts.get(key, 0) + n
+
+    def _enter_modules(self, refused=None):
         """The module calls this call is in the middle of, between Dynamo's
         ``compile_wrapper`` and the frame that falls back (``Module.__call__``
         frames, which Dynamo runs as plain Python), began while amanda's
         module hooks were out: their modules are put on amanda's module stack,
         outermost first, as the pre-hook would have, so the ops get eager's
-        module paths and ids. `resume` takes them off."""
+        module paths and ids. `resume` takes them off. A ``_call_impl`` that
+        has not read the hooks yet (it is calling ``torch.compiler.is_compiling``,
+        ``refused``, which Dynamo skips) runs amanda's pre-hook itself: it is
+        left alone, or its module would be on the stack twice."""
         from amanda.runtime.pytorch import _module_pre_hook
         calls = []
         frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back          # to the caller of the refused frame
+        before_hooks = refused is not None and refused.f_code.co_name == "is_compiling"
         while frame is not None and frame.f_code.co_name != "compile_wrapper":
             if frame.f_code.co_filename == _MODULE_FILE and frame.f_code.co_name == "_call_impl":
                 module = frame.f_locals.get("self")
-                if isinstance(module, torch.nn.Module):
+                if isinstance(module, torch.nn.Module) and not before_hooks:
                     calls.append((module, frame.f_locals.get("args", ())))
+            before_hooks = False
             frame = frame.f_back
         for module, args in reversed(calls):
             _module_pre_hook(module, args)
@@ -417,7 +459,7 @@ class _WatchedFrames:
         _tls.unsupported = None
         if reason is None:
             return result
-        call.fall_back(reason)
+        call.fall_back(reason, frame)
         return _run_eagerly()
 
 
@@ -486,4 +528,25 @@ class InstrumentingBackend:
                 # frame's code is dropped and the call runs eagerly (_WatchedFrames)
                 _tls.unsupported = str(error)
                 return gm.forward
-        return self.compiler(gm, example_inputs, **kwargs)
+        compiled = self.compiler(gm, example_inputs, **kwargs)
+        if self.caller is None or not lifted.counts:
+            return compiled
+        return _Counted(compiled, lifted.counts)
+
+
+class _Counted:
+    """A graph compiled for a caller (a compiled part of an eager module):
+    each run is noted in the call, whose `_Call.count_graphs` adds its ops'
+    executions to eager's occurrence counts of the step."""
+
+    __slots__ = ("compiled", "counts")
+
+    def __init__(self, compiled, counts):
+        self.compiled = compiled
+        self.counts = counts
+
+    def __call__(self, *args, **kwargs):
+        calls = getattr(_tls, "calls", None)
+        if calls:
+            calls[-1].ran.append(self.counts)
+        return self.compiled(*args, **kwargs)

@@ -169,6 +169,10 @@ class LiftedGraph:
         self.op_ids = {}     # IR op name -> op id (eager's formula)
         self.raw_ops = {}
         self.module_paths = {}
+        #: (path below the module the graph's ops are counted from, site code id,
+        #: instruction offset, callable) -> executions per run of the graph: what
+        #: eager's occurrence counts gain when the graph runs (`_Call.count_graphs`)
+        self.counts = {}
 
 
 def lift_dynamo_graph(gm, owner=None, caller=None):
@@ -193,7 +197,8 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
 
     lifted = LiftedGraph()
     values = {}
-    ids = _Ids(_root(gm, owner), caller, gm.graph)
+    root = _root(gm, owner)
+    ids = _Ids(root, caller, gm.graph)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             values[node] = lifted.graph.add_input(node.name, **tensor_attrs(_value(node)))
@@ -208,6 +213,13 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
             lifted.nodes[node.name] = node
             lifted.raw_ops[node.name] = raw
             lifted.op_ids[node.name], lifted.module_paths[node.name] = ids.of(node, raw, name)
+            below = _module_path(node, root)[0]
+            if below is None and caller is not None:
+                below = ""       # a compiled function's ops are in the calling module
+            if below is not None:
+                code, _, offset = node.meta[META_KEY]
+                key = (below, id(code), offset, raw)
+                lifted.counts[key] = lifted.counts.get(key, 0) + 1
         elif isinstance(_value(node), torch.Tensor):
             # a tensor made by a call that is no point (a getitem of a tuple result):
             # it stands for its producer's output in the wiring
