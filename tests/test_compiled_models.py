@@ -214,3 +214,22 @@ def test_more_compiled_layers_than_dynamo_allows_versions_keep_eager_ids():
     eager = _points(model, x, compiled_path=False)
     for _ in range(2):
         assert _points(model, x, compiled_path=True) == eager
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "gpt2", "resnet"])
+def test_a_refusal_in_the_middle_of_a_call_keeps_eager_ids(name, monkeypatch):
+    """amanda's recompile guard off: Dynamo refuses the third session's
+    version in the middle of its call (the recompile limit), the rest of the
+    call and the next one run eagerly, all with eager's ids (the ops of
+    Python torch functions, ``F.layer_norm``, ``F.dropout``, ``F.embedding``,
+    had other ids on the next call: docs/pytorch-compiled.md)."""
+    monkeypatch.setattr(pytorch_compiled, "_within_dynamo_limit", lambda *args: True)
+    model, x = _model(name)
+    compiled = torch.compile(model, backend="aot_eager")
+    eager = _points(compiled, x, compiled_path=False)
+    before = sum(pytorch_compiled.EAGER_FALLBACKS.values())
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(3):
+            assert _points(compiled, x, compiled_path=True) == eager
+    assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
