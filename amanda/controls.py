@@ -17,6 +17,7 @@ class _State(threading.local):
         self.cache = True          # amanda.cache_disabled(): analysis every time
         self.ad = False            # amanda.ad_enabled(): routines are differentiated
         self.sessions = []         # stack of active apply() sessions
+        self.drivers = {}          # backend driver -> how many of those scopes it is in
 
 
 state = _State()

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.onnx import load_model
+from amanda.runtime.driver import Driver
 from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _checked_run, _original_init, session_options
 from amanda.runtime.onnx_instrument import _instrument
@@ -220,32 +221,16 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
 _patched_init.__wrapped__ = _original_init
 
 
-class OnnxRuntimeDriver:
+class OnnxRuntimeDriver(Driver):
     """Patches ``InferenceSession.__init__`` while any thread is inside
-    ``apply``; the last thread out restores it."""
+    ``apply``; the last thread out restores it (the lifecycle:
+    `amanda.runtime.driver.Driver`)."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._users = 0
-        self._depth = threading.local()
+    def install(self):
+        ort.InferenceSession.__init__ = _patched_init
 
-    def enter(self, session):
-        depth = getattr(self._depth, "value", 0)
-        self._depth.value = depth + 1
-        if depth == 0:
-            with self._lock:
-                self._users += 1
-                if self._users == 1:
-                    ort.InferenceSession.__init__ = _patched_init
-
-    def exit(self, session, restored):
-        self._depth.value -= 1
-        if self._depth.value:
-            return
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                ort.InferenceSession.__init__ = _original_init
+    def uninstall(self):
+        ort.InferenceSession.__init__ = _original_init
 
 
 DRIVER = OnnxRuntimeDriver()

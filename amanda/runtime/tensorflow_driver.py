@@ -5,14 +5,13 @@ patching ``Session`` while any thread is inside ``apply``, and
 
 from __future__ import annotations
 
-import threading
-
 import tensorflow as tf
 from tensorflow.python.client import session as _tf_session
 from tensorflow.python.eager.polymorphic_function import concrete_function as _concrete
 
 from amanda import controls
 from amanda.errors import BackendError
+from amanda.runtime.driver import Driver
 from amanda.runtime.tensorflow_functions import _patched_call_flat
 from amanda.runtime.tensorflow_probes import _hand_back, _original_call_flat, _original_run, _tls
 from amanda.runtime.tensorflow_rewrite import _GraphRewrite
@@ -110,50 +109,36 @@ _SESSION_PATCHES = {
 }
 
 
-class TensorFlowGraphDriver:
+class TensorFlowGraphDriver(Driver):
     """Intercepts ``Session.run`` and ``tf.function`` calls while any thread
-    is inside ``apply``.
+    is inside ``apply`` (the lifecycle: `amanda.runtime.driver.Driver`).
 
     Shadows (instrumented copies and their sessions) are cached per user
     session in the amanda session, so later scopes reuse the rewrite; variable
     values move into a shadow at its first run in a scope and back out when
-    the outermost scope ends.
+    the thread's outermost scope ends.
     """
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._users = 0
+    def install(self):
+        for name, (_, patched) in _SESSION_PATCHES.items():
+            setattr(_tf_session.BaseSession, name, patched)
+        _concrete.ConcreteFunction._call_flat = _patched_call_flat
 
-    def enter(self, session):
-        depth = getattr(_tls, "depth", 0)
-        _tls.depth = depth + 1
-        if depth == 0:
-            _tls.live = {}
-            with self._lock:
-                self._users += 1
-                if self._users == 1:
-                    for name, (_, patched) in _SESSION_PATCHES.items():
-                        setattr(_tf_session.BaseSession, name, patched)
-                    _concrete.ConcreteFunction._call_flat = _patched_call_flat
+    def uninstall(self):
+        for name, (original, _) in _SESSION_PATCHES.items():
+            setattr(_tf_session.BaseSession, name, original)
+        _concrete.ConcreteFunction._call_flat = _original_call_flat
 
-    def exit(self, session, restored):
-        _tls.depth -= 1
-        if _tls.depth:
-            return
+    def begin(self, session):
+        _tls.live = {}   # user session -> the shadow holding its variable values
+
+    def end(self, session):
         live, _tls.live = _tls.live, None
-        try:
-            for user_session, shadow in live.items():
-                if getattr(user_session, "_closed", False):
-                    shadow.close()
-                else:
-                    shadow.sync.out_of_shadow()
-        finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    for name, (original, _) in _SESSION_PATCHES.items():
-                        setattr(_tf_session.BaseSession, name, original)
-                    _concrete.ConcreteFunction._call_flat = _original_call_flat
+        for user_session, shadow in live.items():
+            if getattr(user_session, "_closed", False):
+                shadow.close()
+            else:
+                shadow.sync.out_of_shadow()
 
 
 DRIVER = TensorFlowGraphDriver()
