@@ -15,6 +15,8 @@ no forward op, whose ``get_op()`` is then None).
 
 from __future__ import annotations
 
+import collections
+
 from amanda.context import OpContext, take_actions
 from amanda.passes.manager import PassResult
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
@@ -80,7 +82,7 @@ class InstrumentationPlan:
         return len(self.actions())
 
 
-def run_instrumentation_pass(graph, session, backend, plan=None):
+def run_instrumentation_pass(graph, session, backend, plan=None, forward=None):
     """Run ``session``'s analysis routines on the ops of ``graph``.
 
     Args:
@@ -89,6 +91,10 @@ def run_instrumentation_pass(graph, session, backend, plan=None):
         backend: a :class:`GraphBackend`.
         plan: a plan from an earlier run on a smaller version of this graph:
             ops it analysed are kept, only new ops are analysed.
+        forward: ``{op name: OpActions}`` of analysed ops of *other* graphs
+            that backward ops of this one may name as their ``forward_op``
+            (a TF gradient function's body differentiates the ops of the
+            forward function's body).
 
     Returns:
         An :class:`InstrumentationPlan`.
@@ -107,8 +113,9 @@ def run_instrumentation_pass(graph, session, backend, plan=None):
             backward.append(op)
         else:
             result.ops[op.name] = _analyse_forward(op, graph, session, backend)
+    owners = result.ops if not forward else collections.ChainMap(result.ops, forward)
     for op in backward:
-        result.ops[op.name] = _analyse_backward(op, graph, session, backend, result)
+        result.ops[op.name] = _analyse_backward(op, graph, session, backend, owners)
     return result
 
 
@@ -123,17 +130,20 @@ class InstrumentationPass:
         session: the applied tools (:class:`amanda.tool.Session`).
         backend: a :class:`GraphBackend`.
         plan: an earlier plan to start from, as for `run_instrumentation_pass`.
+        forward: forward ops of other graphs, as for `run_instrumentation_pass`.
     """
 
     name = "instrument"
 
-    def __init__(self, session, backend, plan=None):
+    def __init__(self, session, backend, plan=None, forward=None):
         self.session = session
         self.backend = backend
         self.plan = plan
+        self.forward = forward
 
     def __call__(self, graph):
-        self.plan = run_instrumentation_pass(graph, self.session, self.backend, plan=self.plan)
+        self.plan = run_instrumentation_pass(graph, self.session, self.backend, plan=self.plan,
+                                             forward=self.forward)
         return PassResult(graph, False)
 
 
@@ -143,9 +153,10 @@ def _analyse_forward(op, graph, session, backend):
                        (FORWARD_BEFORE, FORWARD_AFTER), ("inputs", "outputs"))
 
 
-def _analyse_backward(op, graph, session, backend, plan):
+def _analyse_backward(op, graph, session, backend, owners):
+    """``owners``: op name -> `OpActions` of the analysed forward ops."""
     owner_name = op.attrs.get("forward_op")
-    owner = plan.ops.get(owner_name) if owner_name else None
+    owner = owners.get(owner_name) if owner_name else None
     if owner is not None:
         forward_op, parent = owner.op, owner.context
         context = OpContext(backend.namespace, backend.raw_op(forward_op), forward_op.name,

@@ -50,7 +50,7 @@ class GraphCompletedPass:
 
 
 def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="instrument",
-                     whole=True):
+                     whole=True, forward=None):
     """Runs the pipeline over an IR graph a frontend lifted.
 
     Args:
@@ -64,6 +64,9 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         name: the pipeline's name in error messages.
         whole: ``graph`` is a whole program, handed to graph tools; False for
             a part of one (a TF function body instrumented on its own).
+        forward: analysed forward ops of other graphs that backward ops of
+            ``graph`` differentiate (a TF gradient function's body), as for
+            `amanda.passes.instrumentation.run_instrumentation_pass`.
 
     Returns:
         ``(plan, lowered)``: the :class:`InstrumentationPlan` and the new graph
@@ -74,7 +77,7 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
             names the pass it failed in.
         PassError: a pass broke the IR (named with the passes run before it).
     """
-    analyse = InstrumentationPass(session, backend, plan)
+    analyse = InstrumentationPass(session, backend, plan, forward)
     passes = [analyse, *extras, *([GraphCompletedPass(session)] if whole else []),
               LowerActionsPass(analyse)]
     with controls.muted():

@@ -1,7 +1,8 @@
 """TensorFlow graph mode: function bodies of call ops (``While``, ``If``,
 ``Case``, ``PartitionedCall``): which calls are instrumented op by op, the
 functions they run, a body rebuilt as a graph of its own (`_prefixed_body`,
-`_Library`) and `evaluate` inside one (`_BodyProbe`). `_BodyRewrite` is in
+`_Library`), `evaluate` inside one (`_BodyProbe`) and a gradient body's
+ops marked as backward ops for the pipeline (`_gradient_body`). `_BodyRewrite` is in
 ``tensorflow_rewrite`` (it and `_GraphRewrite` build each other).
 """
 
@@ -15,6 +16,7 @@ import tensorflow as tf
 from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.ir import Graph
 from amanda.passes.lower_actions import ROUTINE
+from amanda.runtime.tensorflow_probes import _BodiesBackend
 
 
 # Ops of a function body that are its plumbing, not computation.
@@ -87,6 +89,32 @@ class _BodyProbe:
         raise BackendError(f"evaluate: tensors of the function body {self.prefix!r} have a value "
                            "per execution of the body (each loop iteration, or none), not one "
                            "per run; read them in an instrumentation routine instead")
+
+
+def _gradient_body(ir_graph, user_graph, gradient_of):
+    """Prepare a gradient function's body for the pipeline: ``(backend,
+    forward ops)``.
+
+    Every op of the body is a backward op; one named after a forward body
+    op's gradient scope (``gradients/mul_grad/Mul``) gets that op as its
+    forward op (its context starts from that op's context, as at top level).
+    The forward ops live in the plans of the forward bodies
+    (``gradient_of``, their `_BodyRewrite` objects), handed to the pipeline as
+    ``forward``; contexts look each op up in the graph that holds it.
+    """
+    from amanda.frontends.tensorflow import forward_op_of
+    prefix = user_graph.name + "/"
+    forward, names, graphs = {}, {}, [user_graph]
+    for body in gradient_of:
+        forward.update(body.rewrite.plan.ops)
+        names.update(body.forward_names())
+        graphs.append(body.user)
+    for op in ir_graph.ops:
+        local = op.name[len(prefix):] if op.name.startswith(prefix) else op.name
+        owner = forward_op_of(local, names) if names else None
+        op.attrs["backward"] = True
+        op.attrs["forward_op"] = names[owner] if owner is not None else None
+    return _BodiesBackend(graphs), forward
 
 
 class _Library:

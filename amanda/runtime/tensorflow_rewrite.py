@@ -8,18 +8,19 @@ import warnings
 
 import tensorflow as tf
 
-from amanda import controls, portable
+from amanda import portable
 from amanda.errors import AmandaError, BackendError, NotBitExactWarning, NotInstrumentedWarning
 from amanda.passes.pipeline import instrument_graph as run_pipeline
-from amanda.passes.lower_actions import ROUTINE, lower_actions
+from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.routines import call_routine
 from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TWIN, _body_names,
-                                              _called_functions, _ops_in_bodies, _prefixed_body,
-                                              _origin, _warn_xla_compiled, _xla_compiled)
+                                              _called_functions, _gradient_body, _ops_in_bodies,
+                                              _prefixed_body, _origin, _warn_xla_compiled,
+                                              _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _observer, _replacer,
                                                _shaped, _tool_error, _user_stacklevel)
 from amanda.runtime.tensorflow_observe import _Observers, _reaches
-from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _BodiesBackend, _probing
+from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
 
 
 class _BodyRewrite:
@@ -164,51 +165,20 @@ class _GraphRewrite:
         from amanda.frontends.tensorflow import lift_graph
         ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
         self._warn_bodies(ir_graph)
+        if self.gradient_of is not None:   # every op is a backward op of a forward body's op
+            backend, forward = _gradient_body(ir_graph, self.user_graph, self.gradient_of)
+        else:
+            backend, forward = TFGraphBackend(self.user_graph), None
         with _probing(probe):   # analysis may evaluate tensors of the user's graph
-            if self.gradient_of is not None:
-                with controls.muted():
-                    self.plan = self._analyse_gradient_body(ir_graph)
-                lowered = lower_actions(ir_graph, self.plan)
-            else:
-                self.plan, lowered = run_pipeline(
-                    ir_graph, self.amanda_session, TFGraphBackend(self.user_graph),
-                    plan=self.plan, name="tensorflow", whole=self.whole)
+            self.plan, lowered = run_pipeline(ir_graph, self.amanda_session, backend,
+                                              plan=self.plan, name="tensorflow",
+                                              whole=self.whole, forward=forward)
         self._probe = probe
         self._import_new_ops()
         self._realise(lowered)
         self.version = version
         self._warn_inexact()
         return True
-
-    def _analyse_gradient_body(self, ir_graph):
-        """The plan of a gradient function's body: all its ops are backward
-        ops; one named after a forward body op's gradient scope
-        (``gradients/mul_grad/Mul``) gets that op as its forward op, and its
-        context starts from that op's context, as at top level.
-
-        The shared pass looks forward ops up in the plan of the graph it
-        analyses; these live in the forward body's plan, so the backward
-        analysis is run here per op, with both plans' ops in view.
-        """
-        from amanda.frontends.tensorflow import forward_op_of
-        from amanda.passes.instrumentation import InstrumentationPlan, _analyse_backward
-        prefix = self.user_graph.name + "/"
-        known = InstrumentationPlan(ir_graph)
-        names, graphs = {}, [self.user_graph]
-        for body in self.gradient_of:
-            known.ops.update(body.rewrite.plan.ops)
-            names.update(body.forward_names())
-            graphs.append(body.user)
-        backend = _BodiesBackend(graphs)
-        plan = InstrumentationPlan(ir_graph)
-        for op in ir_graph.ops:
-            local = op.name[len(prefix):] if op.name.startswith(prefix) else op.name
-            owner = forward_op_of(local, names) if names else None
-            op.attrs["backward"] = True
-            op.attrs["forward_op"] = names[owner] if owner is not None else None
-            plan.ops[op.name] = known.ops[op.name] = _analyse_backward(
-                op, ir_graph, self.amanda_session, backend, known)
-        return plan
 
     def _warn_inexact(self):
         """Say once that Grappler may compute the copy's floats in another
