@@ -12,7 +12,6 @@ Part of :mod:`amanda.runtime.pytorch`.
 from __future__ import annotations
 
 import sys
-import threading
 import warnings
 import weakref
 
@@ -21,6 +20,7 @@ from torch.nn.modules import module as _torch_module
 
 from amanda.errors import NotInstrumentedWarning, user_stacklevel
 from amanda.runtime import pytorch_records as _records
+from amanda.runtime.driver import Driver
 from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
 from amanda.runtime.pytorch_records import _Cache, _StraightThrough
 from amanda.runtime.pytorch_routines import _grad_enabled
@@ -109,12 +109,20 @@ def _module_post_hook(module, args, output):
 
 # -- the driver ----------------------------------------------------------------------
 
-class TorchEagerDriver:
-    """Activates the mode and the module hooks per thread for ``apply``."""
+class TorchEagerDriver(Driver):
+    """Activates the mode and the module hooks per thread for ``apply``.
+
+    The process-wide part is the shared lifecycle
+    (`amanda.runtime.driver.Driver`): the module hooks, the engine entry and
+    ``torch.compile``'s routing are installed when the first thread enters
+    and removed when the last one leaves. The per-thread part is its own:
+    the thread's depth is ``st.depth``, which the mode and the hooks read on
+    every call, a nested scope swaps the analysis cache, and every scope's
+    end finishes a traced step.
+    """
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._users = 0
+        super().__init__()
         self._handles = []
 
     def enter(self, session):
@@ -128,12 +136,16 @@ class TorchEagerDriver:
         st.depth += 1
         if st.depth == 1:
             st.reset(cache)
-            self._add_hooks()
+            try:
+                self._acquire()
+            except BaseException:
+                st.depth -= 1
+                raise
             st.mode = _Mode(st)
             try:
                 st.mode.__enter__()
             except BaseException:
-                self._remove_hooks()
+                self._release()
                 st.depth -= 1
                 raise
         else:
@@ -158,32 +170,25 @@ class TorchEagerDriver:
             try:
                 mode.__exit__(None, None, None)
             finally:
-                self._remove_hooks()
+                self._release()
         else:
             st.cache = restored.caches["pytorch"]
 
-    def _add_hooks(self):
-        with self._lock:
-            self._users += 1
-            if self._users == 1:
-                self._handles = [
-                    _torch_module.register_module_forward_pre_hook(_module_pre_hook),
-                    _torch_module.register_module_forward_hook(_module_post_hook,
-                                                               always_call=True),
-                ]
-                _patch_engine()
-                if "torch._dynamo" in sys.modules:
-                    _compile_eagerly()
+    def install(self):
+        self._handles = [
+            _torch_module.register_module_forward_pre_hook(_module_pre_hook),
+            _torch_module.register_module_forward_hook(_module_post_hook, always_call=True),
+        ]
+        _patch_engine()
+        if "torch._dynamo" in sys.modules:
+            _compile_eagerly()
 
-    def _remove_hooks(self):
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
-                _restore_engine()
-                _restore_compile()
+    def uninstall(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _restore_engine()
+        _restore_compile()
 
 
 # -- the backward pass ------------------------------------------------------------
