@@ -11,6 +11,7 @@ from tensorflow.python.eager.polymorphic_function import concrete_function as _c
 
 from amanda import controls
 from amanda.errors import BackendError
+from amanda.runtime import tensorflow_eager
 from amanda.runtime.driver import Driver
 from amanda.runtime.tensorflow_functions import _patched_call_flat
 from amanda.runtime.tensorflow_probes import _hand_back, _original_call_flat, _original_run, _tls
@@ -131,8 +132,10 @@ class TensorFlowGraphDriver(Driver):
 
     def begin(self, session):
         _tls.live = {}   # user session -> the shadow holding its variable values
+        tensorflow_eager.watch()   # ops executed eagerly are named, not silently missed
 
     def end(self, session):
+        tensorflow_eager.unwatch()
         live, _tls.live = _tls.live, None
         for user_session, shadow in live.items():
             if getattr(user_session, "_closed", False):

@@ -38,10 +38,16 @@ class _FunctionCopy:
             graph = self.function.graph
             feeds = [self.rewrite.copy.get_tensor_by_name(t.name) for t in graph.inputs]
             fetches = [self.rewrite.tensor(t.name) for t in graph.outputs]
-            self.pruned = self.wrapped.prune(feeds, fetches)
+            # the function's side effects that no output depends on (the
+            # assigns of TensorFlow's variable-initialising function, which
+            # has no output; a step returning nothing) are its control
+            # outputs: they are fetched as operations, or pruning drops them
+            effects = [self.rewrite.copy.get_operation_by_name(op.name)
+                       for op in graph.control_outputs]
+            self.pruned = self.wrapped.prune(feeds, (fetches, effects))
             self.pruned._amanda_copy = True
         with _surface():
-            return self.pruned(*flat_inputs)
+            return self.pruned(*flat_inputs)[0]
 
 
 def _patched_call_flat(self, tensor_inputs, captured_inputs):
