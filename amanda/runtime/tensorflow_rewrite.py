@@ -23,6 +23,16 @@ from amanda.runtime.tensorflow_observe import _Observers, _reaches
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
 
 
+def _onednn_enabled():
+    """Whether TensorFlow runs oneDNN's kernels (``TF_ENABLE_ONEDNN_OPTS``,
+    read when TensorFlow starts)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):   # a build without the query
+        return True
+
+
 class _BodyRewrite:
     """One function body, instrumented: a `_GraphRewrite` of the body's
     graph, and the FunctionDef realising it (None when no routine landed in
@@ -181,30 +191,42 @@ class _GraphRewrite:
         return True
 
     def _warn_inexact(self):
-        """Say once that Grappler may compute the copy's floats in another
-        order than the plain graph's (docs/tensorflow.md, Bit-exactness).
+        """Say once that the copy's floats may be computed in another order
+        than the plain graph's (docs/tensorflow.md, Bit-exactness).
 
         Grappler's arithmetic optimizer re-associates chains of ``Mul``/``Add``
         and its constant folding folds ``c1 * (c2 * x)``; a hosted routine
         between two ops of such a chain (even one that returns None) keeps
-        them apart, so the last bits may differ. Portable routines are TF ops
-        and Grappler sees through them. Nothing is said when both rewrites
-        are off."""
+        them apart, so the last bits may differ. oneDNN's kernels (on by
+        default on x86) fuse and order some computations (a convolution's
+        backward, batch normalization) differently when routines sit between
+        the ops. Portable routines are TF ops and Grappler sees through them.
+        Nothing is said when the rewrites and oneDNN are off."""
         if self.warned_exact or not self.hosted or self.rewrites is None:
             return
         on = [name for name, enabled in self.rewrites().items() if enabled]
-        if not on:
+        onednn = _onednn_enabled()
+        if not on and not onednn:
             return
         self.warned_exact = True
+        causes = []
+        if on:
+            causes.append(f"Grappler's {' and '.join(on)} rewrite float expressions of the "
+                          "plain graph that the routines keep apart")
+        if onednn:
+            causes.append("oneDNN's kernels fuse and order some ops (convolution backward, "
+                          "batch normalization) differently when routines sit between them")
         warnings.warn(
-            "amanda (TensorFlow): Python routines sit between the graph's ops; Grappler's "
-            f"{' and '.join(on)} rewrite float expressions of the plain graph that the "
-            "routines keep apart, so outputs may differ from an uninstrumented run in the "
-            "last bits, even with routines that return None. They are bit-identical with "
-            "those rewrites off (rewrite_options.arithmetic_optimization / constant_folding "
-            "= OFF in the session config; tf.config.optimizer.set_experimental_options("
-            "{'arithmetic_optimization': False, 'constant_folding': False}) for "
-            "tf.function), or with portable routines. See docs/tensorflow.md, Bit-exactness.",
+            "amanda (TensorFlow): Python routines sit between the graph's ops; "
+            f"{'; '.join(causes)}; so outputs may differ from an uninstrumented run in the "
+            "last bits (more where training amplifies rounding, e.g. Adam on a gradient "
+            "that is zero up to rounding), even with routines that return None. They are "
+            "bit-identical with the rewrites off (rewrite_options.arithmetic_optimization / "
+            "constant_folding = OFF in the session config; "
+            "tf.config.optimizer.set_experimental_options({'arithmetic_optimization': "
+            "False, 'constant_folding': False}) for tf.function) and oneDNN off "
+            "(TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported), or with portable "
+            "routines. See docs/tensorflow.md, Bit-exactness.",
             NotBitExactWarning, stacklevel=_user_stacklevel())
 
     def _warn_bodies(self, ir_graph):

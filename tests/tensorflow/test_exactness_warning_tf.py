@@ -115,3 +115,19 @@ def test_tf_function_follows_tf_config_optimizer():
             "arithmetic_optimization": saved.get("arithmetic_optimization", True),
             "constant_folding": saved.get("constant_folding", True)})
     assert caught == [] and np.array_equal(first.numpy(), vanilla.numpy())
+
+
+def test_onednn_kernels_are_named_even_with_both_rewrites_off(monkeypatch):
+    """oneDNN (TensorFlow's default on x86) orders some computations
+    differently when routines sit between ops: with it on, the warning is
+    given and names TF_ENABLE_ONEDNN_OPTS even when Grappler's rewrites are
+    off. These tests run with it off (conftest), where nothing is said."""
+    from amanda.runtime import tensorflow_rewrite
+    assert tensorflow_rewrite._onednn_enabled() is False     # conftest's setting
+    monkeypatch.setattr(tensorflow_rewrite, "_onednn_enabled", lambda: True)
+    session, run, vanilla = _session(rewrites_off=True)
+    first, _, caught = _caught(run, Observe())
+    assert first == vanilla and len(caught) == 1
+    message = str(caught[0].message)
+    assert "oneDNN" in message and "TF_ENABLE_ONEDNN_OPTS=0" in message
+    assert "arithmetic_optimization rewrite" not in message   # not the cause here
