@@ -174,13 +174,13 @@ def test_counting_suite_rows_and_counts():
     switching = counting.onnx_switching("tiny", data, feeds, repeats=2, runs=1, warmup=1)
     assert set(switching["rows"]) == {"scope per step, analysis-only",
                                       "scope per step, count inputs=[]"}
+    assert switching["amanda_work_ms"] > 0
     markdown = counting.render([result, switching], harness.machine_info())
     assert "| onnx | tiny | 2 | count, inputs=[] |" in markdown
     assert "first scope's session creation" in markdown
     assert "counting" in run.SUITES
 
 
-@pytest.mark.slow   # imports TensorFlow: ~25 s on the shared VM
 def test_counting_suite_tf_row():
     from benchmarks import counting
     result = counting.tf_counting(repeats=1, runs=1, warmup=1, build=_tiny_tf_graph,
