@@ -59,6 +59,22 @@ def _failed(error):
     return _RoutineFailed(f"{_FAILURE_MARK}{token}: {error}")
 
 
+# An integer constant a routine may read but not replace (tensorflow_rewrite
+# `_keep_constant`) is checked by an Assert op whose message names a token;
+# the error to raise for it waits here, for as long as the process lives.
+_kept = {}
+_KEPT_MARK = "amanda-kept-constant-"
+_KEPT_RE = re.compile(re.escape(_KEPT_MARK) + r"(\d+)")
+
+
+def _kept_constant(action, where, message):
+    """The text of the check that ``action`` left a constant as it was."""
+    with _failures_lock:
+        token = next(_failure_tokens)
+        _kept[token] = (action, where, message)
+    return f"{_KEPT_MARK}{token}: {message}"
+
+
 @contextlib.contextmanager
 def _surface():
     """Turn the TensorFlow error that a failing hosted routine caused back
@@ -69,6 +85,9 @@ def _surface():
     except tf.errors.OpError as exc:
         match = _FAILURE_RE.search(exc.message or "")
         if match is None:
+            kept = _KEPT_RE.search(exc.message or "")
+            if kept is not None and int(kept.group(1)) in _kept:
+                raise _tool_error(*_kept[int(kept.group(1))]) from exc
             raise
         with _failures_lock:
             error = _failures.pop(int(match.group(1)), None)

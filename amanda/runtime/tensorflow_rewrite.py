@@ -17,10 +17,17 @@ from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TW
                                               _called_functions, _gradient_body, _ops_in_bodies,
                                               _prefixed_body, _origin, _warn_xla_compiled,
                                               _xla_compiled)
-from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _observer, _replacer,
-                                               _shaped, _tool_error, _user_stacklevel)
+from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
+                                               _observer, _replacer, _shaped, _tool_error,
+                                               _user_stacklevel)
 from amanda.runtime.tensorflow_observe import _Observers, _reaches
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
+
+
+def _structural_constant(tensor):
+    """Whether ``tensor`` is an integer constant of the graph (shapes, axes,
+    sizes): its value is part of the graph's structure."""
+    return tensor.op.type == "Const" and tensor.dtype.is_integer
 
 
 def _onednn_enabled():
@@ -572,5 +579,28 @@ class _GraphRewrite:
                 continue
             tf_op = tf_op or self.copy.get_operation_by_name(op.name)
             new = made[ir_input.producer][ir_input.index]
-            if tf_op.inputs[position] is not new:
+            old = tf_op.inputs[position]
+            if old is new:
+                continue
+            if _structural_constant(old) and not portable.is_portable(
+                    ir_input.producer.attrs["action"].func):   # TF ops keep the value visible
+                self._keep_constant(tf_op, position, old, new, ir_input.producer)
+            else:
                 tf_op._update_input(position, new)
+
+    def _keep_constant(self, tf_op, position, old, new, routine):
+        """An integer constant input (a shape, an axis, a TensorList's
+        element shape) that a Python routine sees stays the op's input: TensorFlow reads its value when
+        it builds and shape-checks the graph (a `TensorListReserve` fails on
+        an element shape it cannot see), which a routine's result would hide.
+        The routine still runs before the op (a control input) and sees the
+        value; returning another value is refused when the op runs."""
+        action = routine.attrs["action"]
+        target = self.copy.get_operation_by_name(routine.attrs["target"])
+        text = _kept_constant(action, (target.type, target.name, NAMESPACE),
+                              f"replaced input {position} of {tf_op.type} {tf_op.name!r}, an "
+                              "integer constant TensorFlow needs when it builds the graph; "
+                              "routines may read such constants but not replace them "
+                              "(docs/tensorflow.md)")
+        check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
+        tf_op._add_control_input(check)
