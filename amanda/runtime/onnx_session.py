@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from amanda import controls
-from amanda.errors import BackendError
+from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.frontends.onnx import load_model
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx_bodies import _bodies_host_routines
@@ -177,8 +177,10 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                   provider_options=None, **kwargs):
     sessions = controls.state.sessions
     if not sessions or controls.state.disabled:
+        self._amanda_made = True     # plain on purpose (amanda.disabled()): nothing to say
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
+    self._amanda_made = True
     hit = _instrumented(sessions[-1], path_or_bytes)
     if not hit.callbacks:
         return _original_init(self, hit.data, sess_options, providers, provider_options,
@@ -221,16 +223,42 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
 _patched_init.__wrapped__ = _original_init
 
 
+_original_run = ort.InferenceSession.run
+_OWN_RUN = ort.InferenceSession.__dict__.get("run")   # None: inherited from Session
+
+
+def _run_named_if_plain(self, *args, **kwargs):
+    """``InferenceSession.run`` while a scope is open anywhere: a session
+    made before any scope (so never instrumented) and run inside one gets a
+    `NotInstrumentedWarning` once per amanda session, instead of silently
+    running no routine; its results are unchanged."""
+    sessions = controls.state.sessions
+    if (sessions and not controls.state.disabled and not getattr(self, "_amanda_made", False)
+            and getattr(self, "_amanda_warned", None) != id(sessions[-1])):
+        self._amanda_warned = id(sessions[-1])   # not the session itself: nothing kept alive
+        warnings.warn(
+            "amanda: this onnxruntime InferenceSession was created outside amanda.apply, "
+            "so it runs the plain model and its nodes get no instrumentation points; "
+            "create the session inside the scope to instrument it (docs/onnx.md).",
+            NotInstrumentedWarning, stacklevel=2)
+    return _original_run(self, *args, **kwargs)
+
+
 class OnnxRuntimeDriver(Driver):
-    """Patches ``InferenceSession.__init__`` while any thread is inside
-    ``apply``; the last thread out restores it (the lifecycle:
-    `amanda.runtime.driver.Driver`)."""
+    """Patches ``InferenceSession.__init__`` (and ``run``, to name sessions
+    made outside any scope) while any thread is inside ``apply``; the last
+    thread out restores them (the lifecycle: `amanda.runtime.driver.Driver`)."""
 
     def install(self):
         ort.InferenceSession.__init__ = _patched_init
+        ort.InferenceSession.run = _run_named_if_plain
 
     def uninstall(self):
         ort.InferenceSession.__init__ = _original_init
+        if _OWN_RUN is None:
+            del ort.InferenceSession.run     # the base class's again
+        else:
+            ort.InferenceSession.run = _OWN_RUN
 
 
 DRIVER = OnnxRuntimeDriver()
