@@ -70,7 +70,9 @@ def test_events_lie_within_the_step(trained):
     assert profiler.busy_us() <= profiler.total_us() + 1e-6
     by_type = profiler.by_type()
     assert by_type["conv2d"]["forward_us"] > 0 and by_type["conv2d"]["backward_us"] > 0
-    assert "sequential" in next(iter(k for k in profiler.by_module() if k))
+    # modules are listed in the order their first op ran; TF's parallel
+    # executor may run a gradient op (module "gradients/...") first
+    assert any("sequential" in k for k in profiler.by_module() if k)
     assert "conv2d" in profiler.table()
 
 
