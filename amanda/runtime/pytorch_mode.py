@@ -377,9 +377,12 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         # Forward "before" actions only, no backward routines, nothing left to
         # analyse: the op is never walked (see _OpRecord.refresh).
         tensors, slots = _flatten(args, kwargs)
-        if _apply_actions(record.before, tensors, record.where):
-            args, kwargs = _rebuild(args, kwargs, slots, tensors)
-        return func(*args, **kwargs)
+        originals = list(tensors)
+        if not _apply_actions(record.before, tensors, record.where):
+            return func(*args, **kwargs)
+        swapped = _swapped(originals, tensors)
+        args, kwargs = _rebuild(args, kwargs, slots, tensors)
+        return _write_back(swapped, func(*args, **kwargs))
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
@@ -399,8 +402,12 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         finally:
             context._set_values(inputs=None)
         record.pre_done = True
-    if record.before and _apply_actions(record.before, tensors, where):
-        args, kwargs = _rebuild(args, kwargs, slots, tensors)
+    swapped = None
+    if record.before:
+        originals = list(tensors)
+        if _apply_actions(record.before, tensors, where):
+            swapped = _swapped(originals, tensors)
+            args, kwargs = _rebuild(args, kwargs, slots, tensors)
     mark = _sequence_nr()
     if record.replace:
         action = record.replace[0]
@@ -410,6 +417,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         result = _check_replacement(action, result, record.spec, where)
     elif computed is _NOTHING:
         result = func(*args, **kwargs)
+        if swapped:
+            result = _write_back(swapped, result)
     else:
         result = computed
     outputs = None     # found when something looks at them
@@ -438,18 +447,63 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         finally:
             context._set_values(inputs=None, outputs=None)
         record.post_done = True
-    if record.after and _apply_actions(record.after, outputs, where):
-        if result is None:
-            raise ToolError("an after-op routine replaced the tensor an in-place op modified; "
-                            "this op returns None, so there is no output to replace: "
-                            "return None from the routine", tool=record.after[0].tool,
-                            routine=record.after[0].func, op_name=where[0], op_id=where[1],
-                            namespace=where[2])
-        result = _rebuild_outputs(result, outputs)
-        if ir_op is not None:
-            trace.alias(outputs, ir_op.outputs)
+    if record.after:
+        produced = list(outputs)
+        if _apply_actions(record.after, outputs, where):
+            inputs = tensors if tensors is not None else _flatten(args, kwargs)[0]
+            _write_into_inputs(produced, outputs, inputs + [old for old, _, _ in swapped]
+                               if swapped else inputs)
+            if result is not None:
+                result = _rebuild_outputs(result, outputs)
+            if ir_op is not None:
+                trace.alias(outputs, ir_op.outputs)
     record.refresh()
     return result
+
+
+def _swapped(originals, tensors):
+    """(original, replacement, the replacement's version) for each tensor a
+    before-routine replaced."""
+    return [(old, new, new._version) for old, new in zip(originals, tensors)
+            if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor)]
+
+
+def _write_back(swapped, result):
+    """**Rule: an op that modifies a tensor a before-routine replaced
+    modifies the original.** The op ran on the replacement (``x.add_(1)``,
+    ``out=``, batch norm's running statistics, an optimizer's ``_foreach_*_``
+    on parameters and state): its new value is copied into the original,
+    tracked by autograd where the op would be, and the op's result names the
+    original where it named the replacement — as if the routine's value had
+    been written into the original before the op ran."""
+    written = {}
+    for old, new, version in swapped:
+        if new._version != version:
+            old.copy_(new)
+            written[id(new)] = old
+    if not written:
+        return result
+    if isinstance(result, _Tensor):
+        return written.get(id(result), result)
+    if isinstance(result, (list, tuple)) and not hasattr(result, "_fields"):
+        return type(result)(written.get(id(r), r) if isinstance(r, _Tensor) else r
+                            for r in result)
+    return result
+
+
+def _write_into_inputs(produced, outputs, inputs):
+    """An after-routine replaced an output that is one of the op's inputs
+    (an in-place op returns the tensor it modified; one that returns None,
+    ``__setitem__``, has that tensor as its output): the value is written
+    into that tensor, which stays the output, so later in-place calls on it
+    (``buf.mul_(m).add_(g)``) and every other reference see the routine's
+    value, as for any output a later op reads."""
+    ids = {id(t) for t in inputs}
+    for i, (old, new) in enumerate(zip(produced, outputs)):
+        if new is not old and id(old) in ids and isinstance(new, _Tensor):
+            with torch.no_grad():
+                old.copy_(new)
+            outputs[i] = old
 
 
 def _walk_again(cache, record, args, kwargs, result, mark):
