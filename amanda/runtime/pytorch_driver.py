@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch.nn.modules import module as _torch_module
 
-from amanda.errors import NotInstrumentedWarning, user_stacklevel
+from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, user_stacklevel
 from amanda.runtime import pytorch_records as _records
 from amanda.runtime.driver import Driver
 from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
@@ -45,6 +45,27 @@ def _warn_scripted(st, module):
         "are executed by TorchScript, not seen by amanda, and get no instrumentation "
         "points (run the eager module inside apply instead). See docs/pytorch-eager.md, "
         "Limits.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+
+
+# torch modules whose forward takes a fused fast path (in eval) only when no
+# torch-function mode is on (torch.overrides.has_torch_function)
+_FAST_PATH = frozenset((torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                        torch.nn.TransformerEncoder))
+
+
+def _warn_fast_path(st, module):
+    """Inside ``apply`` amanda's mode is on, so these modules take their
+    ordinary path: the result may differ from a run outside by rounding,
+    and no nested tensor is made (positions a padding mask hides hold
+    computed values where the fast path gives zeros). Said once per scope."""
+    st.scripted.add("fast path")
+    warnings.warn(
+        f"amanda: {type(module).__name__} takes its ordinary path inside apply, not "
+        "torch's fused fast path (which refuses to run while a torch-function mode is "
+        "on); outputs may differ from a run outside apply by rounding, and positions a "
+        "padding mask hides are computed instead of zero (no nested tensor). See "
+        "docs/pytorch-eager.md, Limits.", NotBitExactWarning,
+        stacklevel=user_stacklevel(torch))
 
 
 def _named_parents(st, module):
@@ -77,6 +98,9 @@ def _module_pre_hook(module, args):
             _compile_eagerly()     # compiled after apply was entered
     if isinstance(module, _SCRIPT_MODULE) and id(module) not in st.scripted:
         _warn_scripted(st, module)
+    elif type(module) in _FAST_PATH and not module.training \
+            and "fast path" not in st.scripted and torch.backends.mha.get_fastpath_enabled():
+        _warn_fast_path(st, module)
     modules = st.modules
     role, token = _checkpoint_role(_getframe(1))
     if _in_backward() != -1:

@@ -382,7 +382,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
             return func(*args, **kwargs)
         swapped = _swapped(originals, tensors)
         args, kwargs = _rebuild(args, kwargs, slots, tensors)
-        return _write_back(swapped, func(*args, **kwargs))
+        return _write_back(swapped, func(*args, **kwargs), record.where[0])
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
@@ -408,6 +408,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         if _apply_actions(record.before, tensors, where):
             swapped = _swapped(originals, tensors)
             args, kwargs = _rebuild(args, kwargs, slots, tensors)
+    versions = ([_version_of(t) for t in tensors] if record.after and computed is _NOTHING
+                else None)
     mark = _sequence_nr()
     if record.replace:
         action = record.replace[0]
@@ -418,7 +420,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     elif computed is _NOTHING:
         result = func(*args, **kwargs)
         if swapped:
-            result = _write_back(swapped, result)
+            result = _write_back(swapped, result, where[0])
     else:
         result = computed
     outputs = None     # found when something looks at them
@@ -450,9 +452,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if record.after:
         produced = list(outputs)
         if _apply_actions(record.after, outputs, where):
-            inputs = tensors if tensors is not None else _flatten(args, kwargs)[0]
-            _write_into_inputs(produced, outputs, inputs + [old for old, _, _ in swapped]
-                               if swapped else inputs)
+            _write_into_modified(produced, outputs, tensors, versions, swapped,
+                                 result is None, where[0])
             if result is not None:
                 result = _rebuild_outputs(result, outputs)
             if ir_op is not None:
@@ -461,26 +462,46 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     return result
 
 
+def _version_of(tensor):
+    """A tensor's version counter; None for an inference tensor, which has
+    none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _in_place_name(name):
+    """Whether an op's name says it modifies its first argument (``add_``,
+    ``__iadd__``): used only where no version counter tells."""
+    return (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__"))
+
+
 def _swapped(originals, tensors):
-    """(original, replacement, the replacement's version) for each tensor a
+    """[original, replacement, the replacement's version] for each tensor a
     before-routine replaced."""
-    return [(old, new, new._version) for old, new in zip(originals, tensors)
+    return [[old, new, _version_of(new)] for old, new in zip(originals, tensors)
             if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor)]
 
 
-def _write_back(swapped, result):
+def _write_back(swapped, result, name):
     """**Rule: an op that modifies a tensor a before-routine replaced
     modifies the original.** The op ran on the replacement (``x.add_(1)``,
     ``out=``, batch norm's running statistics, an optimizer's ``_foreach_*_``
     on parameters and state): its new value is copied into the original,
     tracked by autograd where the op would be, and the op's result names the
     original where it named the replacement — as if the routine's value had
-    been written into the original before the op ran."""
+    been written into the original before the op ran. (A modified original's
+    entry keeps ``None`` as version: ``_write_into_modified`` reads it.)"""
     written = {}
-    for old, new, version in swapped:
-        if new._version != version:
+    for entry in swapped:
+        old, new, version = entry
+        if version is None:     # an inference tensor: no version counter
+            modified = _in_place_name(name) and (new is result or result is None)
+        else:
+            modified = new._version != version
+        if modified:
             old.copy_(new)
             written[id(new)] = old
+            entry[2] = "written"
     if not written:
         return result
     if isinstance(result, _Tensor):
@@ -491,16 +512,34 @@ def _write_back(swapped, result):
     return result
 
 
-def _write_into_inputs(produced, outputs, inputs):
-    """An after-routine replaced an output that is one of the op's inputs
-    (an in-place op returns the tensor it modified; one that returns None,
-    ``__setitem__``, has that tensor as its output): the value is written
-    into that tensor, which stays the output, so later in-place calls on it
-    (``buf.mul_(m).add_(g)``) and every other reference see the routine's
-    value, as for any output a later op reads."""
-    ids = {id(t) for t in inputs}
+def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_none, name):
+    """**Rule: an after-routine's replacement of a tensor the op modified
+    (or created as a leaf) is written into it.** An in-place op returns the
+    tensor it modified (one that returns None, ``__setitem__``, has it as its
+    output); a factory op with ``requires_grad=True`` returns a new leaf. The
+    value is written into that tensor under ``no_grad`` and the tensor stays
+    the output, so chained calls (``buf.mul_(m).add_(g)``), every other
+    reference and the leaf's ``.grad`` see the routine's value. An output
+    that merely is an input (``broadcast_tensors`` with nothing to
+    broadcast, ``contiguous()``) was not modified: it is replaced as usual."""
+    modified = set()
+    if returned_none:
+        modified.update(id(t) for t in outputs)
+    for i, (t, version) in enumerate(zip(inputs or (), versions or ())):
+        if version is None:     # an inference tensor: the name tells
+            if i == 0 and _in_place_name(name):
+                modified.add(id(t))
+        elif t._version != version:
+            modified.add(id(t))
+    for old, new, state in swapped or ():
+        if state == "written":
+            modified.add(id(old))
+    input_ids = {id(t) for t in inputs or ()}
     for i, (old, new) in enumerate(zip(produced, outputs)):
-        if new is not old and id(old) in ids and isinstance(new, _Tensor):
+        if new is old or not isinstance(new, _Tensor) or not isinstance(old, _Tensor):
+            continue
+        if id(old) in modified or (old.is_leaf and old.requires_grad
+                                   and id(old) not in input_ids):
             with torch.no_grad():
                 old.copy_(new)
             outputs[i] = old

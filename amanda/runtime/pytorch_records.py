@@ -46,14 +46,21 @@ class _StraightThrough(torch.autograd.Function):
     function's output, which in-place ops then refuse and whose strides on
     size-1 dimensions differ from the value's."""
 
+    # forward and setup_context apart, and a vmap rule generated: torch.func
+    # transforms (vmap, grad, jacrev) refuse an autograd function without them
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, original, box):
+    def forward(original, box):
+        return box[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
         # no gradient stays no gradient (torch would hand backward zeros):
         # torch runs nodes with undefined gradients (e.g. before a reentrant
         # checkpoint whose segment's graph is cut), and an input that gets
         # no gradient in vanilla must get none here either
         ctx.set_materialize_grads(False)
-        return box[0]
 
     @staticmethod
     def backward(ctx, grad):

@@ -56,7 +56,7 @@ class _ThreadState:
         self.saved = None       # the step's counts, while recomputing
         self.muted = None       # the controls.muted() of a muted recomputation, until it ends
         self.segment_cache = None   # the scope's cache, while a segment runs under another
-        self.scripted = set()   # ids of TorchScript modules warned about in this scope
+        self.scripted = set()   # ids of TorchScript modules (and "fast path") warned about in this scope
         self.traced_warned = False  # whether this scope said that tracing gets no points
         self.instrumented_trace = False   # amanda.export's trace records the routines
 
