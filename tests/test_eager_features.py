@@ -778,3 +778,71 @@ def test_counts_are_the_same_on_a_cache_hit_and_without_the_cache(name):
     _run(build, step, uncached, amanda.cache_disabled)
     assert first and dict(cached.executions) == first
     assert dict(uncached.executions) == first
+
+
+# -- the rules for replacements, by difference with the same values written by hand -------
+
+class Replace(amanda.Tool):
+    """Replaces the tensors at ``point`` of ops named ``name`` with ``fn`` of them."""
+
+    def __init__(self, name, point, fn):
+        super().__init__()
+        self.add_inst_for_op(lambda c: c.get_op_name() == name and getattr(
+            c, f"insert_{point}_op")(lambda *ts: [fn(t) for t in ts]))
+
+
+def test_an_in_place_op_on_a_replaced_argument_modifies_the_original():
+    x = torch.ones(3)
+    with amanda.apply(Replace("add_", "before", lambda t: t * 2)):
+        y = x.add_(1)
+    assert y is x and torch.equal(x, torch.full((3,), 3.0))    # (1 * 2) + 1
+    buf = torch.ones(3)
+    with amanda.apply(Replace("mul_", "after", lambda t: t + 10)):
+        buf.mul_(2).add_(1)                                    # chained on the same tensor
+    assert torch.equal(buf, torch.full((3,), 13.0))
+
+
+def test_an_output_that_merely_is_an_input_is_replaced_not_written_into():
+    a, b = torch.ones(2, 3), torch.zeros(2, 3)
+    with amanda.apply(Replace("broadcast_tensors", "after", lambda t: t + 5)):
+        c, d = torch.broadcast_tensors(a, b)     # nothing to broadcast: may return a, b
+    assert torch.equal(a, torch.ones(2, 3)) and torch.equal(b, torch.zeros(2, 3))
+    assert torch.equal(c, a + 5) and torch.equal(d, b + 5)
+
+
+def test_a_replaced_leaf_made_by_a_factory_stays_a_leaf_with_its_gradient():
+    with amanda.apply(Replace("randn", "after", lambda t: t * 0 + 2)):
+        x = torch.randn(3, requires_grad=True)
+        (x * x).sum().backward()
+    assert x.is_leaf and torch.equal(x.grad, torch.full((3,), 4.0))
+
+
+def test_an_in_place_op_on_a_replaced_inference_tensor_modifies_the_original():
+    with torch.inference_mode():
+        x = torch.ones(3)
+        with amanda.apply(Replace("add_", "before", lambda t: t * 2)):
+            x.add_(1)
+    assert torch.equal(x, torch.full((3,), 3.0))
+
+
+def test_one_tensor_at_several_positions_gets_one_replacement():
+    seen = []
+    x = torch.ones(3)
+    tool = Replace("add", "before", lambda t: t.clone())
+    tool.add_inst_for_op(lambda c: c.get_op_name() == "add" and c.insert_before_op(
+        lambda a, b: seen.append(a is b)))
+    with amanda.apply(tool):
+        x + x
+    assert seen == [True]
+
+
+def test_a_replacement_under_a_torch_func_transform_runs():
+    m = nn.Linear(4, 2)
+    x = torch.randn(5, 4)
+    expected = torch.func.vmap(m)(x) * 2
+    expected_grad = torch.func.grad(lambda x: m(x).sum())(x[0])
+    with amanda.apply(Replace("linear", "after", lambda t: t * 2)):
+        out = torch.func.vmap(m)(x)
+        g = torch.func.grad(lambda x: m(x).sum())(x[0])
+    assert torch.equal(out, expected)
+    assert torch.equal(g, expected_grad)    # straight-through: the gradient is unchanged
