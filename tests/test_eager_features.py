@@ -723,6 +723,14 @@ VIEW = "a view op's input replaced: in-place writes through the view miss the or
 KNOWN = {
     ("distributions_rsample", True): "a replaced tensor's gradient terms are summed in "
                                      "another order (rounding)",
+    # a routine returning a clone per position gives attention distinct
+    # query/key/value where the plain call passed one tensor thrice:
+    # multi_head_attention_forward then takes its separate-projection path
+    # (rounding). Giving one tensor one replacement keeps the path but sums
+    # the gradient terms of x * x in another order, which the generated
+    # programs of tests/test_eager_harness.py catch: distinct clones it is.
+    ("multihead_attention_train", True): "clones per position: another attention path",
+    ("transformer_train", True): "clones per position: another attention path",
     ("grad_scaler_cpu", True): "_amp_foreach_non_finite_check_and_unscale_ modifies its "
                                "arguments without bumping their version counters",
     ("inplace_views_and_data", True): VIEW,
@@ -825,15 +833,30 @@ def test_an_in_place_op_on_a_replaced_inference_tensor_modifies_the_original():
     assert torch.equal(x, torch.full((3,), 3.0))
 
 
-def test_one_tensor_at_several_positions_gets_one_replacement():
+def test_each_position_gets_its_own_replacement_and_gradients_sum_as_plain():
+    """docs/pytorch-eager.md: one tensor at two positions, each replaced by a
+    clone, reaches the op as two tensors; the gradient terms of ``x * x``
+    (and of another use of ``x``) are summed as in the plain run."""
     seen = []
-    x = torch.ones(3)
-    tool = Replace("add", "before", lambda t: t.clone())
-    tool.add_inst_for_op(lambda c: c.get_op_name() == "add" and c.insert_before_op(
-        lambda a, b: seen.append(a is b)))
-    with amanda.apply(tool):
-        x + x
-    assert seen == [True]
+
+    def look(*tensors):
+        if len(tensors) == 2:
+            seen.append(tensors[0] is tensors[1])
+
+    tool = Replace("mul", "before", lambda t: t.clone())
+    tool.add_inst_for_op(lambda c: c.get_op_name() == "mul" and c.insert_before_op(look))
+
+    def grad(scoped):
+        torch.manual_seed(0)
+        x = torch.randn(5, requires_grad=True)
+        with amanda.apply(tool) if scoped else contextlib.nullcontext():
+            y = (x * x).sum() / 3 + x.mean() * 7
+            y.backward()
+        return x.grad
+
+    plain = grad(False)
+    assert torch.equal(grad(True), plain)
+    assert seen == [False]
 
 
 def test_a_replacement_under_a_torch_func_transform_runs():

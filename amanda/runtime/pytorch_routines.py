@@ -80,28 +80,15 @@ def _apply_actions(actions, values, where):
         result = _invoke(action, selected, where)
         if result is None:
             continue
-        # one tensor at several positions (attention's query, key and value)
-        # gets one replacement, the first returned for it: torch branches on
-        # identity (``q is k``), and a replacement per position would take
-        # another path than the plain op
-        replaced = {}
         for pos, new in zip(positions if positions is not None else range(len(values)), result):
             old = values[pos]
             if new is None or new is old:
                 continue
-            if id(old) in replaced:
-                values[pos] = replaced[id(old)][1]
-                continue
             if not action.ad and isinstance(old, _Tensor) and old.requires_grad \
                     and _grad_enabled():
                 new = _StraightThrough.apply(old, [new.detach()])
-            replaced[id(old)] = (old, new)
             values[pos] = new
             changed = True
-        if replaced and len(values) > len(replaced):
-            for pos, value in enumerate(values):
-                if id(value) in replaced and replaced[id(value)][0] is value:
-                    values[pos] = replaced[id(value)][1]
     return changed
 
 
