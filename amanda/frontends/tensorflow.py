@@ -71,7 +71,7 @@ def default_namespace():
 # ---------------------------------------------------------------------------
 
 
-def lift_graph(graph_or_graphdef, namespace=None):
+def lift_graph(graph_or_graphdef, namespace=None, scope=None):
     """Lifts a TF graph into an amanda IR graph.
 
     Args:
@@ -79,6 +79,9 @@ def lift_graph(graph_or_graphdef, namespace=None):
             ``GraphDef`` (or its serialized bytes), or a ``ConcreteFunction``
             (anything with a ``.graph`` that is a ``tf.Graph``).
         namespace: The ops' namespace; ``"tensorflow/<version>/graph"`` if None.
+        scope: The name scope a function body's ops were imported under
+            (``<scope>/<node>``): gradient ops are mapped by the names they
+            have in the function (see `map_gradients`).
 
     Returns:
         An `amanda.ir.Graph` (it verifies; nested function graphs included),
@@ -112,7 +115,7 @@ def lift_graph(graph_or_graphdef, namespace=None):
         outputs = None
         name = "tf_graph"
     library = _FunctionLibrary(graph_def.library, namespace)
-    graph = _build(name, namespace, records, outputs, library)
+    graph = _build(name, namespace, records, outputs, library, scope)
     graph.attrs["unlifted_functions"] = sorted(library.unlifted)
     return graph
 
@@ -300,7 +303,7 @@ def _topological(records):
     return ordered
 
 
-def _build(name, namespace, records, outputs, library):
+def _build(name, namespace, records, outputs, library, scope=None):
     graph = Graph(name, namespace=namespace)
     ordered = _topological(records)
     tensors = {}  # TF tensor name -> IR tensor
@@ -348,7 +351,7 @@ def _build(name, namespace, records, outputs, library):
     else:
         result = [tensors[t] for t in outputs if t in tensors]
     graph.set_outputs(result)
-    map_gradients(graph)
+    map_gradients(graph, scope)
     return graph
 
 

@@ -4,6 +4,8 @@ differentiate (`map_gradients`, called by `lift_graph`).
 
 from __future__ import annotations
 
+import contextlib
+
 from amanda.frontends.tensorflow_gradient_names import _inside_a_gradient_function, forward_op_of
 from amanda.frontends.tensorflow_tape import _GradientMapper
 
@@ -19,7 +21,7 @@ def gradient_owners(graph):
     return _GradientMapper(graph).run()
 
 
-def map_gradients(graph):
+def map_gradients(graph, scope=None):
     """Sets ``backward``/``forward_op`` attrs on the gradient ops of ``graph``.
 
     Rules, in order:
@@ -55,13 +57,23 @@ def map_gradients(graph):
       arithmetic from constants, dead ops) gets one where data flow or
       creation order is unambiguous: `_owners_from_readers`.
 
+    A function body imported under a name scope (amanda's runtime names a
+    body's ops ``<scope>/<node>``) is mapped by the names its ops have in the
+    function (``scope``): TF named its tape ops ``gradient_tape/...`` there,
+    so a ``GradientTape`` inside a function that another function calls
+    (Keras ``fit``'s step) is mapped as at top level.
+
     Returns:
         The names of the gradient ops without owner, also stored in
         ``graph.attrs["unowned_backward_ops"]``.
     """
-    owners = gradient_owners(graph)
-    _disown_forward_feeders(graph, owners)
-    _owners_from_readers(graph, owners)
+    with _local_names(graph, scope):
+        owners = gradient_owners(graph)
+        _disown_forward_feeders(graph, owners)
+        _owners_from_readers(graph, owners)
+    if scope:
+        owners = {f"{scope}/{name}": None if owner is None else f"{scope}/{owner}"
+                  for name, owner in owners.items()}
     unowned = []
     for op in graph:
         if op.name in owners:
@@ -72,6 +84,31 @@ def map_gradients(graph):
                 unowned.append(op.name)
     graph.attrs["unowned_backward_ops"] = unowned
     return unowned
+
+
+@contextlib.contextmanager
+def _local_names(graph, scope):
+    """Ops named ``<scope>/<name>`` carry ``<name>`` meanwhile (through a
+    unique temporary name each way, so that no rename meets a name still
+    taken); nothing when ``scope`` is empty or an op lies outside it."""
+    ops = list(graph)
+    prefix = f"{scope}/" if scope else None
+    if not prefix or not ops or not all(op.name.startswith(prefix) for op in ops):
+        yield
+        return
+
+    def rename(names):
+        for index, op in enumerate(ops):
+            op.name = f"\0amanda{index}"
+        for op, name in zip(ops, names):
+            op.name = name
+
+    full = [op.name for op in ops]
+    rename([name[len(prefix):] for name in full])
+    try:
+        yield
+    finally:
+        rename(full)
 
 
 def _disown_forward_feeders(graph, owners):

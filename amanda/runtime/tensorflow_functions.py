@@ -4,9 +4,12 @@ the concrete function's graph (`_FunctionCopy`, `_patched_call_flat`).
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 from amanda import controls
+from amanda.errors import NotInstrumentedWarning
 from amanda.runtime.tensorflow_hosting import _surface
 from amanda.runtime.tensorflow_probes import _FunctionProbe, _original_call_flat, _tls
 from amanda.runtime.tensorflow_rewrite import _GraphRewrite
@@ -55,6 +58,31 @@ def _patched_call_flat(self, tensor_inputs, captured_inputs):
     if (not sessions or controls.state.disabled or getattr(_tls, "live", None) is None
             or getattr(self, "_amanda_copy", False) or not tf.executing_eagerly()):
         return _original_call_flat(self, tensor_inputs, captured_inputs)
+    if _xla_compiled_function(self):
+        # XLA compiles the whole call, and no Python routine can run in an
+        # XLA cluster: it runs as it is (as a body XLA compiles does), and
+        # amanda says so once per function and scope
+        _cached_per_session(sessions[-1], "tensorflow_xla_functions", self, _warn_xla_function)
+        return _original_call_flat(self, tensor_inputs, captured_inputs)
     copy = _cached_per_session(sessions[-1], "tensorflow_functions", self, _FunctionCopy)
     flat = copy.call(list(tensor_inputs) + list(captured_inputs))
     return self.function_type.pack_output(flat)
+
+
+def _xla_compiled_function(function):
+    """Whether TF compiles the concrete function's call with XLA
+    (``tf.function(jit_compile=True)``)."""
+    value = getattr(function, "_attrs", {}).get("_XlaMustCompile")
+    return bool(getattr(value, "b", value))
+
+
+def _warn_xla_function(function, session):
+    from amanda.runtime.tensorflow_hosting import _user_stacklevel
+    name = function.name.decode() if isinstance(function.name, bytes) else function.name
+    warnings.warn(
+        f"amanda (TensorFlow): {name!r} is compiled by XLA (jit_compile=True) and runs "
+        "as it is, without points: a Python routine cannot run inside an XLA cluster, and "
+        "running its ops one by one instead would change its results. Call a function without "
+        "jit_compile to instrument it. See docs/tensorflow.md, Limits.",
+        NotInstrumentedWarning, stacklevel=_user_stacklevel())
+    return True

@@ -61,6 +61,7 @@ class _BodyRewrite:
         user, inputs, outputs = _prefixed_body(prefix, fdef, library)
         self.user = user
         self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
+        self.rewrite.scope = prefix   # gradient ops mapped by their names in the function
         self.rewrite.gradient_of = gradient_of
         self.rewrite.whole = False
         self.rewrite.refresh(_BodyProbe(outer_probe, prefix))
@@ -165,6 +166,7 @@ class _GraphRewrite:
         # ops differentiate, None for a graph that is no gradient body
         self.gradient_of = None
         self.whole = True           # a whole program (graph tools get it), not a function body
+        self.scope = None           # a body's ops are named '<scope>/<node>'
         self.observers = _Observers()   # routines called after Session.run (off unless enabled)
 
     def refresh(self, probe=None):
@@ -180,7 +182,7 @@ class _GraphRewrite:
         if version == self.version:
             return False
         from amanda.frontends.tensorflow import lift_graph
-        ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE)
+        ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE, scope=self.scope)
         self._warn_bodies(ir_graph)
         if self.gradient_of is not None:   # every op is a backward op of a forward body's op
             backend, forward = _gradient_body(ir_graph, self.user_graph, self.gradient_of)
@@ -390,7 +392,8 @@ class _GraphRewrite:
         with self.copy.as_default():
             for op in lowered.ops:
                 if op.type == ROUTINE:
-                    made[op] = self._routine(op, made)
+                    if op not in made:      # else made on demand by a reader
+                        made[op] = self._routine(op, made)
                 else:
                     self._rewire(op, made)
         self._control_users = None
@@ -401,6 +404,11 @@ class _GraphRewrite:
         if producer is None:
             raise BackendError(f"tensor {ir_tensor.name!r} has no producer in the TF graph")
         if producer.type == ROUTINE:
+            if producer not in made:
+                # lowered order is not always data order: in a function body
+                # (node order of a FunctionDef) a backward op's routine can
+                # come before the forward op's routine whose results it reads
+                made[producer] = self._routine(producer, made)
             return made[producer][ir_tensor.index]
         return self.copy.get_operation_by_name(producer.name).outputs[ir_tensor.index]
 
