@@ -586,7 +586,7 @@ class _GraphRewrite:
             if ir_input.producer is None or ir_input.producer.type != ROUTINE:
                 continue
             tf_op = tf_op or self.copy.get_operation_by_name(op.name)
-            new = made[ir_input.producer][ir_input.index]
+            new = self._tensor_in_copy(ir_input, made)     # made on demand if later
             old = tf_op.inputs[position]
             if old is new:
                 continue
