@@ -9,6 +9,7 @@ variable-initialising function (no outputs, only assigns) initialised
 nothing, and Adam's or RMSprop's slots, made on the first step, failed the
 run ("Cannot update variable with shape [0]")."""
 
+import gc
 import warnings
 
 import numpy as np
@@ -18,6 +19,13 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import amanda  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _forget_keras_models():
+    yield
+    keras.backend.clear_session()   # Keras keeps every model's functions alive
+    gc.collect()
 
 
 class Observe(amanda.Tool):
