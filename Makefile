@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/amanda demo
 
+# TensorFlow keeps graphs and Keras models for the life of a process: its
+# tests run in a process of their own, so no single process holds the
+# memory of the whole suite
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/tensorflow
+	$(BIN)/python -m pytest -q tests/tensorflow
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
