@@ -24,9 +24,10 @@ def compiled_path():
     pytorch_compiled.ENABLED = saved
 
 
-def test_the_compiled_path_is_opt_in():
-    """Off by default until the path is reviewed (docs/pytorch-compiled.md)."""
-    assert _DEFAULT is False
+def test_the_compiled_path_is_the_default():
+    """Compiled callables inside ``apply`` run instrumented compiled graphs
+    unless a user turns the path off (docs/pytorch-compiled.md)."""
+    assert _DEFAULT is True
 
 
 class ConvAndInPlace(torch.nn.Module):
@@ -722,13 +723,14 @@ def test_compiling_a_layer_changes_no_op_id_or_module_path(compiled_path):
     model, x = _Stack(), torch.randn(2, 8)
 
     def seen():
-        pytorch_compiled.ENABLED = compiled_path
+        # the parameter shadows the module's fixture of the same name: restore by hand
+        saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, compiled_path
         tool = _Paths()
         try:
             with torch.no_grad(), amanda.apply(tool):
                 model(x)
         finally:
-            pytorch_compiled.ENABLED = False
+            pytorch_compiled.ENABLED = saved
         return sorted(tool.seen, key=repr)
 
     plain = seen()

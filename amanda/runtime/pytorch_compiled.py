@@ -42,6 +42,7 @@ eager's: the sites are read while Dynamo traces (`pytorch_compiled_sites`).
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 import weakref
 
@@ -54,6 +55,7 @@ from amanda.passes.instrumentation import _run_points
 from amanda.runtime import pytorch_compiled_sites as _sites
 from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
+    _tensor_args,
     _MODULE_FILE,
     _graph_breaks,
     NAMESPACE,
@@ -63,7 +65,7 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _outside_graphs,
     lift_dynamo_graph,
 )
-from amanda.runtime.pytorch_compiled_lowering import insert_actions
+from amanda.runtime.pytorch_compiled_lowering import insert_actions, with_constants
 from amanda.runtime.pytorch_mode import _below_wrappers, _module_path
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
 
@@ -73,18 +75,13 @@ __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "li
 #: The namespace of contexts of compiled graphs.
 
 
-#: True: compiled callables inside ``apply`` run instrumented compiled graphs
-#: (this module), with the limits in docs/pytorch-compiled.md; what those
-#: graphs cannot show or carry (a graph break, backward routines...) runs
-#: eagerly, every op a point (see `EAGER_FALLBACKS`). False (the default):
-#: compiled callables inside ``apply`` always run eagerly (Dynamo's
-#: ``force_eager`` stance), exactly as eager. Opt-in until reviewed: it was
-#: kept off because some ops got other ids compiled than eagerly (an
-#: ``nn.Conv2d``'s conv, an in-place ``+=``; ops after Dynamo refused a frame
-#: in the middle of a call), which now match eager's on the tested models and
-#: programs (docs/pytorch-compiled.md, tests/test_compiled_models.py,
-#: tests/test_compiled_refusals.py).
-ENABLED = False
+#: True (the default): compiled callables inside ``apply`` run instrumented
+#: compiled graphs (this module), with the limits in docs/pytorch-compiled.md;
+#: what those graphs cannot show or carry (a graph break, backward
+#: routines...) runs eagerly, every op a point (see `EAGER_FALLBACKS`).
+#: False: compiled callables inside ``apply`` always run eagerly (Dynamo's
+#: ``force_eager`` stance), exactly as eager.
+ENABLED = True
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
 #: have run part of their code outside its graphs (a graph break, a frame it
@@ -465,23 +462,146 @@ class _WatchedFrames:
 
 # -- analysis ------------------------------------------------------------------------------
 
-def analyse(lifted, session):
+def analyse(lifted, session, gm=None, example_inputs=None):
     """Runs the session's forward analysis routines on every op, once.
+
+    With ``gm`` and its ``example_inputs`` (the real tensors of the call
+    Dynamo compiles for), the graph is run once eagerly (`_Probe`) and each
+    op's routines receive real tensors, as an eager op's first execution
+    gives them: the before-routines its inputs before it runs, the
+    after-routines its inputs and outputs after. Without them (tests of the
+    lifting), they receive the fx nodes.
 
     Returns:
         ``{fx node name: OpActions}`` of the ops that carry actions.
     """
+    from amanda.passes.instrumentation import OpActions, _absorb
     backend = CompiledGraphBackend(lifted)
     plan = {}
+    if gm is None:
+        with controls.muted():
+            for op in lifted.graph.ops:
+                entry = _run_points(op, lifted.graph, session, backend, _context(lifted, backend, op),
+                                    (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
+                if entry:
+                    plan[op.name] = entry
+        return plan
+    ops = {op.name: op for op in lifted.graph.ops}
+    before, after = session.routines[FORWARD_BEFORE], session.routines[FORWARD_AFTER]
+
+    def visit_before(node, inputs):
+        op = ops[node.name]
+        context = _context(lifted, backend, op)
+        context._set_ir(op, lifted.graph)
+        if before:
+            context._set_values(inputs=inputs)
+            session.analyse(FORWARD_BEFORE, context)
+        return context
+
+    def visit_after(node, context, inputs, outputs):
+        if after:
+            context._set_values(inputs=inputs, outputs=outputs)
+            session.analyse(FORWARD_AFTER, context)
+        entry = OpActions(ops[node.name], context)
+        _absorb(entry, context)
+        if entry:
+            plan[node.name] = entry
+
     with controls.muted():
-        for op in lifted.graph.ops:
-            context = OpContext(NAMESPACE, backend.raw_op(op), lifted.op_ids[op.name], op.type,
-                                module_path=lifted.module_paths[op.name])
-            entry = _run_points(op, lifted.graph, session, backend, context,
-                                (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
-            if entry:
-                plan[op.name] = entry
+        _Probe(gm, lifted, visit_before, visit_after).probe(example_inputs)
     return plan
+
+
+def _context(lifted, backend, op):
+    return OpContext(NAMESPACE, backend.raw_op(op), lifted.op_ids[op.name], op.type,
+                     module_path=lifted.module_paths[op.name])
+
+
+#: Python's item and augmented assignments (``operator.iadd``, ``Tensor.__iadd__``...)
+_AUGMENTED = frozenset(["setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod",
+                        "ipow", "ilshift", "irshift", "iand", "ior", "ixor"])
+
+
+def _mutated_roots(gm):
+    """Placeholders a node of ``gm`` may write to: the start of the chain of
+    first arguments of every call that may modify its first argument (a
+    method or function whose name ends in ``_``, ``inplace=True``, an
+    augmented assignment or item assignment). Conservative: the chain is
+    followed through any call, views or not."""
+    roots = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or not node.args:
+            continue
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        writes = ((name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+                  or name.strip("_") in _AUGMENTED)
+        if not writes:
+            continue
+        arg = node.args[0]
+        while isinstance(arg, torch.fx.Node) and arg.op in ("call_function", "call_method") and arg.args:
+            arg = arg.args[0]
+        if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+            roots.add(arg)
+    return roots
+
+
+class _Probe(torch.fx.Interpreter):
+    """One eager run of a Dynamo graph for its analysis, on the real inputs of
+    the call being compiled, that leaves no trace: it runs without autograd
+    (where the graph does not turn it on itself), on copies of every input
+    that is no parameter, and of every parameter the graph may write to
+    (`_mutated_roots`); the random number generators are put back as they
+    were, so the compiled call draws what it would have drawn. Values are
+    freed as soon as no later node reads them (the interpreter's own
+    collection), so its peak memory is an eager forward's without autograd."""
+
+    def __init__(self, gm, lifted, visit_before, visit_after):
+        super().__init__(gm, garbage_collect_values=True)
+        self.lifted = lifted
+        self.visit_before = visit_before
+        self.visit_after = visit_after
+
+    def probe(self, example_inputs):
+        from torch.utils._python_dispatch import _disable_current_modes
+        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
+        written = _mutated_roots(self.module)
+        args, kept = [], []
+        for node, value in zip(placeholders, example_inputs):
+            if isinstance(value, torch.Tensor) and not (
+                    isinstance(value, torch.nn.Parameter) and node not in written):
+                value = value.detach().clone()
+            elif isinstance(value, torch.Tensor):
+                kept.append((value, value._version))
+            args.append(value)
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                self.run(*args)
+        finally:
+            torch.set_rng_state(rng)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+        for value, version in kept:
+            if value._version != version:      # never seen: `_mutated_roots` is conservative
+                raise BackendError("amanda's analysis run of a compiled graph modified a parameter "
+                                   f"of shape {tuple(value.shape)} [namespace {NAMESPACE}]")
+
+    def run_node(self, node):
+        if node.name not in self.lifted.nodes:
+            return super().run_node(node)
+        inputs = [self.env[a] for a in _tensor_args(node)]
+        context = self.visit_before(node, inputs)
+        result = super().run_node(node)
+        if isinstance(result, torch.Tensor):
+            outputs = [result]
+        elif result is None and node.args and isinstance(node.args[0], torch.fx.Node):
+            outputs = [self.env[node.args[0]]]   # an in-place op that returns None (x[i] = v)
+        else:
+            outputs = [v for v in result if isinstance(v, torch.Tensor)] \
+                if isinstance(result, (tuple, list)) else []
+        self.visit_after(node, context, inputs, outputs)
+        return result
 
 
 class InstrumentingBackend:
@@ -516,9 +636,10 @@ class InstrumentingBackend:
             # runs eagerly (_WatchedFrames), before any tool saw the graph
             _tls.unsupported = f"{error} (its eager op id is unknown)"
             return gm.forward
-        plan = analyse(lifted, self.session)
+        plan = analyse(lifted, self.session, gm, example_inputs)
         self.graphs += 1
         if plan:
+            gm = _own_copy(gm, lifted)
             try:
                 insert_actions(gm, lifted, plan)
             except BackendError as error:
@@ -528,10 +649,35 @@ class InstrumentingBackend:
                 # frame's code is dropped and the call runs eagerly (_WatchedFrames)
                 _tls.unsupported = str(error)
                 return gm.forward
-        compiled = self.compiler(gm, example_inputs, **kwargs)
+        constants = gm.__dict__.get("amanda_constants", [])
+        compiled = with_constants(self.compiler(gm, list(example_inputs) + constants, **kwargs),
+                                  constants)
         if self.caller is None or not lifted.counts:
             return compiled
         return _Counted(compiled, lifted.counts)
+
+
+def _own_copy(gm, lifted):
+    """A copy of Dynamo's graph module for the routines to go into: Dynamo
+    reads its own graph (its placeholders) after the backend returns, to make
+    the code that calls the compiled graph. The copy keeps the attributes
+    Dynamo and AOTAutograd read (the module's ``meta``, its parameters'
+    sources, each placeholder's source); ``lifted`` is moved to its nodes."""
+    memo = {}
+    graph = torch.fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    result, output = graph.graph_copy(gm.graph, memo, return_output_node=True)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(result, type_expr=getattr(output, "type", None)).meta = copy.copy(output.meta)
+    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(gm.meta)
+    for name in ("_param_name_to_source", "compile_subgraph_reason"):
+        if hasattr(gm, name):
+            setattr(new, name, getattr(gm, name))
+    for node in gm.graph.nodes:
+        if hasattr(node, "_dynamo_source"):
+            memo[node]._dynamo_source = node._dynamo_source
+    lifted.nodes = {name: memo[node] for name, node in lifted.nodes.items()}
+    return new
 
 
 class _Counted:

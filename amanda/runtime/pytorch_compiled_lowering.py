@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.fx
 
+from amanda.context import Action
 from amanda.errors import BackendError
 from amanda.runtime.pytorch_compiled_graphs import NAMESPACE, _tensor_args, _value
 from amanda.runtime.routines import call_routine
@@ -84,10 +85,20 @@ def _custom_ops():
     return _OPS
 
 
-def _portable_call(routine):
-    def call(*tensors):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and routine.action.ad):
-            given = tensors if routine.action.ad else [t.detach() for t in tensors]
+def _portable_call(routine, count, names):
+    """The function a portable routine's node calls: its first ``count``
+    arguments are the selected tensors, the rest the tensors of the routine's
+    keyword arguments ``names`` (graph attributes, see `_constants`)."""
+    action = routine.action
+
+    def call(*args):
+        tensors = args[:count]
+        if names:
+            routine.action = Action(action.kind, action.func, action.positions,
+                                    {**action.kwargs, **dict(zip(names, args[count:]))},
+                                    action.ad, action.tool)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and action.ad):
+            given = tensors if action.ad else [t.detach() for t in tensors]
             new = routine(given)
         if new is None:
             return tuple(tensors)
@@ -110,7 +121,9 @@ def _emit(graph, action, selected, where, observe_only):
 
     routine = _Routine(action, where)
     if is_portable(action.func):
-        call = graph.call_function(_portable_call(routine), tuple(selected))
+        names, constants = _constants(graph, action)
+        call = graph.call_function(_portable_call(routine, len(selected), names),
+                                   tuple(selected) + tuple(constants))
         return _items(graph, call, len(selected))
     if action.ad:
         raise BackendError(f"routine {routine.__name__} of op {where[0]!r} was recorded under "
@@ -124,6 +137,38 @@ def _emit(graph, action, selected, where, observe_only):
         return None
     call = graph.call_function(ops["replace"], (handle, list(selected)))
     return _items(graph, call, len(selected))
+
+
+def _constants(graph, action):
+    """The tensors among a portable routine's keyword arguments (a pruning
+    mask), made inputs of the graph: new placeholders after Dynamo's, whose
+    tensors are kept in the module's ``amanda_constants`` list and passed
+    on every call (`with_constants`). The compiler then sees them as the
+    graph's inputs; a tensor held in the routine's closure would meet the
+    compiler's fake tensors. Returns (names, placeholder nodes)."""
+    names = [k for k, v in action.kwargs.items() if isinstance(v, torch.Tensor)]
+    module, nodes = graph.owning_module, []
+    constants = module.__dict__.setdefault("amanda_constants", [])
+    for name in names:
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            node = graph.placeholder(f"amanda_constant_{len(constants)}")
+        node.meta["example_value"] = action.kwargs[name]
+        node._dynamo_source = None     # no user variable: AOTAutograd accepts a None source
+        constants.append(action.kwargs[name])
+        nodes.append(node)
+    return names, nodes
+
+
+def with_constants(compiled, constants):
+    """The compiled graph called with the routines' constant tensors after the
+    arguments Dynamo passes (Dynamo calls it with the arguments unpacked)."""
+    if not constants:
+        return compiled
+
+    def call(*args):
+        return compiled(*args, *constants)
+    return call
 
 
 def _items(graph, call, count):

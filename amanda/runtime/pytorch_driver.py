@@ -260,7 +260,14 @@ def _restore_engine():
 # pytorch_compiled.ENABLED false, Dynamo's stance is force_eager for every
 # call, as before; that stance is process-wide: another thread's compiled
 # code runs eagerly meanwhile too (the compiled path does the same).
-_COMPILE = {"prior": None}
+_COMPILE = {"prior": None, "filter": None}
+
+#: torch warns on every ``torch.compile(module)`` call while any global module
+#: hook is registered that the hook fires once more for the wrapper; amanda's
+#: own hooks are global and skip the wrapper (it is no part of module paths),
+#: so the warning, which would name amanda's hooks, is filtered while amanda
+#: is applied, and the filter is taken out again with the rest of its state.
+_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 _COMPILED_PATH = "compiled path"   # _COMPILE["prior"] while the compiled path is installed
 
 
@@ -271,6 +278,8 @@ def _compile_eagerly():
 
     from amanda.runtime import pytorch_compiled
     WRAPPER_MODULES.add(eval_frame.OptimizedModule)
+    warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
+    _COMPILE["filter"] = warnings.filters[0]
     if pytorch_compiled.ENABLED:
         pytorch_compiled.install()
         _COMPILE["prior"] = _COMPILED_PATH
@@ -280,6 +289,10 @@ def _compile_eagerly():
 
 def _restore_compile():
     prior = _COMPILE["prior"]
+    entry, _COMPILE["filter"] = _COMPILE["filter"], None
+    if entry is not None and entry in warnings.filters:
+        warnings.filters.remove(entry)
+        warnings._filters_mutated()
     if prior is _COMPILED_PATH:
         from amanda.runtime import pytorch_compiled
         pytorch_compiled.uninstall()
