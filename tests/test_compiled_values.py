@@ -231,3 +231,42 @@ def test_full_size_models_compiled_with_flops_and_pruning_tools_equal_eager(name
     assert len(masks[False]) >= 50 and masks[True].keys() == masks[False].keys()
     for key, mask in masks[False].items():
         np.testing.assert_array_equal(masks[True][key], mask)
+
+
+class Failing(amanda.Tool):
+    """Fails in its analysis routine at ``relu``, or in the routine it puts
+    before every other op."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        if self.where == "analysis" and context.get_op_name() == "relu":
+            raise ValueError("analysis failed")
+        context.insert_before_op(self.routine)
+
+    def routine(self, *tensors):
+        if self.where == "routine":
+            raise KeyError("routine failed")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("where", ["analysis", "routine"])
+def test_a_tool_error_is_the_tools_error_and_leaves_nothing_behind(where, backend):
+    """An analysis routine fails while Dynamo compiles: the user gets the
+    ToolError naming tool, routine and op (Dynamo wrapped it in its own
+    BackendCompilerFailed), and the compiled model runs as before afterwards."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    compiled, x = torch.compile(model, backend=backend), torch.randn(2, 4)
+    with pytest.raises(amanda.ToolError) as raised:
+        with amanda.apply(Failing(where)):
+            compiled(x)
+    message = str(raised.value)
+    assert "tool Failing" in message and f"routine Failing.{where}" in message
+    assert f"op '{'relu' if where == 'analysis' else 'linear'}'" in message
+    assert "namespace 'pytorch/2.13.0/compiled'" in message and "While executing" not in message
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    torch.testing.assert_close(compiled(x), model(x))

@@ -423,6 +423,20 @@ def _owner(frame, call):
     return _FUNCTION
 
 
+def _amanda_cause(error):
+    """The amanda error (a tool's `ToolError`...) that Dynamo wrapped, as
+    ``BackendCompilerFailed`` or another of its errors, when an analysis
+    routine failed while Dynamo compiled; None for any other error."""
+    from amanda.errors import AmandaError
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, AmandaError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
 class _WatchedFrames:
     """Dynamo's per-frame callback for amanda's compiled calls. Dynamo calls it
     for a frame that has no cached code; the frame has not started. If the code
@@ -450,6 +464,11 @@ class _WatchedFrames:
         try:
             with _sites.tracing():        # nodes get the sites eager gives their ops
                 result = self.inner(frame, cache_entry, frame_state)
+        except Exception as error:
+            cause = _amanda_cause(error)
+            if cause is None:
+                raise
+            raise cause      # the tool's error (its cause chained), not Dynamo's wrapper
         finally:
             _tls.breaks = _tls.owner = None
         reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
@@ -557,6 +576,7 @@ class _Probe(torch.fx.Interpreter):
 
     def __init__(self, gm, lifted, visit_before, visit_after):
         super().__init__(gm, garbage_collect_values=True)
+        self.extra_traceback = False     # a routine's error keeps its own message
         self.lifted = lifted
         self.visit_before = visit_before
         self.visit_after = visit_after
