@@ -11,8 +11,8 @@ from amanda import tool
 from amanda.context import Action, OpContext
 from amanda.controls import (ad_disabled, ad_enabled, cache_disabled, cache_enabled,
                              disabled, enabled)
-from amanda.errors import (AmandaError, BackendError, DependencyError, NotBitExactWarning,
-                           NotInstrumentedWarning, ToolError)
+from amanda.errors import (AmandaError, BackendError, DependencyError, EagerFallbackWarning,
+                           NotBitExactWarning, NotInstrumentedWarning, ToolError)
 from amanda.export import export
 from amanda.instrumentation import instrument
 from amanda.runtime import evaluate
@@ -21,7 +21,8 @@ from amanda.tool import Tool, apply
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "AmandaError", "BackendError", "DependencyError", "NotBitExactWarning",
+    "Action", "AmandaError", "BackendError", "DependencyError", "EagerFallbackWarning",
+    "NotBitExactWarning",
     "NotInstrumentedWarning",
     "OpContext", "Tool",
     "ToolError", "ad_disabled", "ad_enabled", "apply", "cache_disabled", "cache_enabled",

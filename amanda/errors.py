@@ -70,6 +70,14 @@ class NotInstrumentedWarning(UserWarning):
     rather than report counts that silently leave it out."""
 
 
+class EagerFallbackWarning(UserWarning):
+    """A compiled program runs eagerly inside ``apply`` (PyTorch: a
+    ``torch.compile``d callable whose graph breaks, or whose tools have
+    backward routines): every op is still a point, with eager's ids, but
+    the program does not run at compiled speed. Given once per callable and
+    reason; the warning names the reason."""
+
+
 class NotBitExactWarning(UserWarning):
     """The instrumented program may compute other bits than the plain one
     for a reason of the backend (e.g. TensorFlow's Grappler rewrites float

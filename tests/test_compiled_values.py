@@ -270,3 +270,41 @@ def test_a_tool_error_is_the_tools_error_and_leaves_nothing_behind(where, backen
     assert not torch.overrides._get_current_function_mode_stack()
     assert not torch.nn.modules.module._global_forward_pre_hooks
     torch.testing.assert_close(compiled(x), model(x))
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[torch.nonzero(h > 0, as_tuple=True)].sum()     # a data-dependent shape: a graph break
+
+
+class _Backward(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(lambda context: None, backward=True)
+
+
+@pytest.mark.parametrize("case", ["graph break", "backward routines"])
+def test_running_eagerly_is_said_once_at_the_users_line(case):
+    """A compiled callable that runs eagerly inside ``apply`` loses no point
+    but its speed: one EagerFallbackWarning per callable and reason, naming
+    the reason, at the line that called it."""
+    import warnings
+    model = _Breaks() if case == "graph break" else Block()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 4) if case == "graph break" else torch.randn(4, 8)
+    tool = Observe() if case == "graph break" else _Backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amanda.apply(tool):
+            compiled(x).sum().backward()
+            compiled(x).sum().backward()
+    said = [w for w in caught if issubclass(w.category, amanda.EagerFallbackWarning)]
+    assert len(said) == 1 and case in str(said[0].message)
+    assert said[0].filename == __file__
+    assert any(case in reason and reason in str(said[0].message)
+               for reason in pytorch_compiled.EAGER_FALLBACKS)          # and counted

@@ -44,13 +44,14 @@ from __future__ import annotations
 import collections
 import copy
 import sys
+import warnings
 import weakref
 
 import torch
 
 from amanda import controls
 from amanda.context import OpContext
-from amanda.errors import BackendError
+from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
 from amanda.passes.instrumentation import _run_points
 from amanda.runtime import pytorch_compiled_sites as _sites
 from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
@@ -137,7 +138,10 @@ def _pick_callback(callback):
     if controls.state.disabled:
         choice = _vanilla
     elif session.has_backward or session.requires_graph:
-        return None            # backward points / whole graphs: the eager runtime (see the docs)
+        # backward points / whole graphs: the eager runtime (see the docs)
+        _note_fallback(callback, "the tools have backward routines" if session.has_backward
+                       else "the tools ask for whole graphs")
+        return None
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
     else:
@@ -148,10 +152,31 @@ def _pick_callback(callback):
     cleanups = _caller_cleanups()
     stack = torch.overrides._get_current_function_mode_stack()
     if cleanups is None or not stack or stack[-1] is not st.mode:
-        return None            # a layout this module does not know: eagerly, never unseen
+        # a layout this module does not know: eagerly, never unseen
+        _note_fallback(callback, "a Dynamo call layout or mode stack amanda does not know")
+        return None
     call = _Call(st, choice, callback, caller)
     cleanups.append(call.resume)
     return choice(chosen)
+
+
+_NOTED = {}       # id(user callback) -> (user callback, reasons it ran eagerly for)
+
+
+def _note_fallback(callback, reason):
+    """A compiled callable runs eagerly inside ``apply`` for ``reason``:
+    counted in `EAGER_FALLBACKS` and said by one `EagerFallbackWarning`, at
+    the user's line, once per callable and reason."""
+    entry = _NOTED.get(id(callback))
+    if entry is None or entry[0] is not callback:
+        entry = _NOTED[id(callback)] = (callback, set())
+    if reason in entry[1]:
+        return
+    entry[1].add(reason)
+    EAGER_FALLBACKS[reason] += 1
+    warnings.warn(f"amanda: a torch.compile'd callable runs eagerly inside amanda.apply: {reason}. "
+                  "Every op is still a point, with eager's op ids, but not at compiled speed "
+                  "(docs/pytorch-compiled.md)", EagerFallbackWarning, stacklevel=user_stacklevel(torch))
 
 
 def _caller(st, callback):
@@ -181,7 +206,6 @@ def _caller(st, callback):
 _VERSIONS = {}    # compiled code target -> {(session token, id(callback), caller)}
 _TOO_MANY = "more instrumented versions than Dynamo's recompile limit allows"
 _SEEN_CODES = [0]  # codes Dynamo had seen at the last check: fewer means torch._dynamo.reset()
-_COUNTED = set()
 
 
 def _within_dynamo_limit(st, session, callback, caller):
@@ -206,9 +230,7 @@ def _within_dynamo_limit(st, session, callback, caller):
     if key in versions:
         return True
     if len(versions) >= getattr(config, "recompile_limit", 8) - 2:
-        if (target, id(callback)) not in _COUNTED:
-            _COUNTED.add((target, id(callback)))
-            EAGER_FALLBACKS[_TOO_MANY] += 1
+        _note_fallback(callback, _TOO_MANY)
         return False
     versions.add(key)
     return True
@@ -339,7 +361,7 @@ class _Call:
         machinery back, and the callable stays eager inside ``apply``."""
         if _EAGER.get(id(self.callback)) is not self.callback:
             _EAGER[id(self.callback)] = self.callback
-            EAGER_FALLBACKS[reason] += 1
+            _note_fallback(self.callback, reason)
         if self.out:
             self._put_back()
             self._enter_modules(refused)
