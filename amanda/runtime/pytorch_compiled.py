@@ -62,6 +62,7 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     NAMESPACE,
     CompiledGraphBackend,
     NoSite,
+    NotLifted,
     _tls,
     _outside_graphs,
     lift_dynamo_graph,
@@ -676,7 +677,8 @@ class InstrumentingBackend:
                                    f"[namespace {NAMESPACE}]") from None
             # its eager id is unknown: the frame's code is dropped and the call
             # runs eagerly (_WatchedFrames), before any tool saw the graph
-            _tls.unsupported = f"{error} (its eager op id is unknown)"
+            _tls.unsupported = str(error) if isinstance(error, NotLifted) else \
+                f"{error} (its eager op id is unknown)"
             return gm.forward
         plan = analyse(lifted, self.session, gm, example_inputs)
         self.graphs += 1

@@ -54,6 +54,8 @@ def _raw_op(node):
     if node.op == "call_method":
         raw = getattr(torch.Tensor, target, None)
         return raw, target
+    if target is getattr:
+        return _property_read(node)
     if getattr(target, "__module__", None) in ("_operator", "operator"):
         from amanda.runtime.pytorch_compiled_sites import eager_callable
         raw = eager_callable(target, node.args, _value)
@@ -63,6 +65,20 @@ def _raw_op(node):
         if raw is not None:
             return raw, getattr(raw, "__name__", target.__name__)
     return target, getattr(target, "__name__", str(target))
+
+
+def _property_read(node):
+    """``getattr(x, name)`` on a tensor (FX's record of ``x.real``): eager's
+    mode receives the property's ``__get__``, a point named after the
+    property for the view properties (``real``, ``imag``, ``T``, ``mT``...),
+    no point for the others (``__get__`` is a query). FNet's ``x.real`` was
+    named ``getattr``, with another id than eager's."""
+    from amanda.runtime.pytorch_sites import _TENSOR_PROPERTIES
+    name = node.args[1] if len(node.args) > 1 else None
+    descriptor = getattr(torch.Tensor, name, None) if isinstance(name, str) else None
+    if descriptor is None or not hasattr(descriptor, "__get__"):
+        return getattr, "getattr"
+    return descriptor.__get__, name if name in _TENSOR_PROPERTIES else "__get__"
 
 
 def _in_place_without_result(node):
@@ -141,6 +157,39 @@ class NoSite(Exception):
     unknown, so the graph is not instrumented and the call runs eagerly."""
 
 
+class NotLifted(NoSite):
+    """A graph with ops amanda cannot lift as eager's points: the graph is
+    not instrumented and the call runs eagerly (the message is the reason)."""
+
+
+def _unliftable(gm):
+    """Why the ops of ``gm`` cannot all be points of a compiled graph, or None.
+
+    * A functorch transform traced inline (``torch.func.vmap``, also inside
+      ``associative_scan``'s generic mode, which transformers' Mamba uses
+      when compiled): the ops between ``_vmap_increment_nesting`` and its
+      decrement run on batched tensors, which amanda's custom ops have no
+      batching rule for (Mamba failed with "Batching rule not implemented
+      for amanda::observe").
+    * A higher-order op with a body (``torch.cond``, ``scan``,
+      ``torch.utils.checkpoint``, an ``autograd.Function``): the body's ops
+      are a subgraph that is not lifted, while eager sees each as a point."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_increment_nesting"):
+            return (f"a functorch transform traced into the graph ({name}, e.g. torch.func.vmap): "
+                    "routines cannot run on its batched tensors in compiled graphs")
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr" and isinstance(getattr(gm, str(arg.target), None),
+                                                       torch.fx.GraphModule):
+                    return (f"higher-order op {node.target.name()} with a body: its ops are "
+                            "not points of compiled graphs")
+    return None
+
+
 class CompiledGraphBackend(GraphBackend):
     """Contexts of compiled graphs: ``get_op()`` is the torch callable an eager
     run calls, tensors are the fx nodes (``node.meta["example_value"]`` is a fake
@@ -195,6 +244,9 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
     """
     from amanda.frontends.pytorch_graph import tensor_attrs
 
+    reason = _unliftable(gm)
+    if reason is not None:
+        raise NotLifted(reason)
     lifted = LiftedGraph()
     values = {}
     root = _root(gm, owner)

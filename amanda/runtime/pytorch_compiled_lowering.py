@@ -55,8 +55,32 @@ def _observe_impl(handle: int, tensors: list[torch.Tensor]) -> None:
 def _replace_impl(handle: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     new = _ROUTINES[handle](tensors)
     if new is None:
-        return [t.clone() for t in tensors]
-    return [t.clone() if v is None else v.detach().clone() for t, v in zip(tensors, new)]
+        new = [None] * len(tensors)
+    return [_copy(t if v is None else v.detach(), t) for t, v in zip(tensors, new)]
+
+
+def _strided_like(t):
+    """An empty tensor with the layout of ``t`` where a copy can have it: its
+    very sizes and strides when its elements do not overlap (also a slice,
+    ``x[..., :-1]``, whose ``clone()`` would be contiguous); otherwise (an
+    expanded tensor) what ``empty_like`` gives. A replacement the routine
+    gives back as it is must not change the layout the next ops see: a
+    contiguous copy of Wav2Vec2's ``hidden_states[:, :, :-1]`` gave outputs
+    5e-7 away from the vanilla compiled model's. The fake implementation
+    uses the same rule, so the compiler sees the layout that runs."""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            return torch.empty_like(t)
+        extent = stride * size
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _copy(value, like):
+    if value.shape != like.shape or value.dtype != like.dtype or value.device != like.device:
+        return value.clone()
+    return _strided_like(like).copy_(value)
 
 
 _OPS = {}
@@ -74,7 +98,7 @@ def _custom_ops():
 
         @replace.register_fake
         def _(handle, tensors):
-            return [torch.empty_like(t) for t in tensors]
+            return [_strided_like(t) for t in tensors]
 
         def backward(ctx, grads):
             return None, list(grads)        # straight-through: the routine is no model code

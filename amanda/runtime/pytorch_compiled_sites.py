@@ -54,6 +54,7 @@ def install():
 
     _PATCH["original"] = original
     SubgraphTracer.create_proxy = create_proxy
+    _install_dead_index_guard()
 
 
 def uninstall():
@@ -62,6 +63,64 @@ def uninstall():
         from torch._dynamo.output_graph import SubgraphTracer
         SubgraphTracer.create_proxy = original
         _PATCH["original"] = None
+    _uninstall_dead_index_guard()
+
+
+# -- unused indexing kept in the graph -----------------------------------------------------
+
+def _keep_alive(node):
+    """The target of a temporary node that keeps ``node`` used (never run)."""
+
+
+def _install_dead_index_guard():
+    """Keep a tensor indexing whose result nothing uses (``x[:, None]``) in
+    the graphs Dynamo makes for amanda: eager runs it, a point like any op,
+    while Dynamo's ``OutputGraph.remove_unused_graphargs`` erases every
+    unused ``operator.getitem`` node before the backend sees the graph.
+    transformers' mask builders index ``batch_arange``/``head_arange`` and
+    drop the result (``_non_vmap_expansion_sdpa``), so LLaMA, Mistral,
+    Qwen2, Gemma2, GPT-2, BART, Bloom, DETR and DeBERTa-v2 lacked eager's
+    ``__getitem__`` points. Only while tracing for amanda (`tracing`): each
+    such node gets a temporary user for the duration of the call, removed
+    after; the compiler (AOTAutograd) drops the dead code later."""
+    from torch._dynamo.output_graph import OutputGraph
+    if "remove_unused" in _PATCH:
+        return
+    original = OutputGraph.remove_unused_graphargs
+
+    def remove_unused_graphargs(self):
+        if not getattr(_local, "tracing", 0):
+            return original(self)
+        anchors = []
+        for node in list(self.graph.nodes):
+            if _unused_tensor_index(node):
+                with self.graph.inserting_after(node):
+                    anchors.append(self.graph.call_function(_keep_alive, (node,)))
+        try:
+            return original(self)
+        finally:
+            for anchor in anchors:
+                self.graph.erase_node(anchor)
+
+    _PATCH["remove_unused"] = original
+    OutputGraph.remove_unused_graphargs = remove_unused_graphargs
+
+
+def _uninstall_dead_index_guard():
+    original = _PATCH.pop("remove_unused", None)
+    if original is not None:
+        from torch._dynamo.output_graph import OutputGraph
+        OutputGraph.remove_unused_graphargs = original
+
+
+def _unused_tensor_index(node):
+    import operator
+    if node.op != "call_function" or node.target is not operator.getitem or node.users:
+        return False
+    source = node.args[0] if node.args else None
+    return (isinstance(node.meta.get("example_value"), torch.Tensor)
+            and isinstance(source, torch.fx.Node)
+            and isinstance(source.meta.get("example_value"), torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -99,10 +158,38 @@ def _site(tx):
         if kind is _MACHINERY:
             return MACHINERY
         back = getattr(tx, "parent", None)
-        if back is None or _module_entry(tx):
+        if _module_entry(tx):
+            return _hooked_call_site()
+        if back is None:
             break
         tx, kind = back, _code_kind(back.f_code)
     return _where(tx)
+
+
+_HOOKED_CALL = []
+
+
+def _hooked_call_site():
+    """The site eager gives an op whose frames, up to the module call, are all
+    torch internals (the ``forward`` of a module defined outside
+    ``torch/nn/modules``: weight norm's ``_WeightNorm``, a parametrization):
+    with amanda's global module hooks in place, ``Module._call_impl`` calls
+    ``forward`` from its nested ``inner``, the first frame eager's walk
+    reaches below the module call. Wav2Vec2's ``_weight_norm`` had
+    ``_WeightNorm.forward`` as its site, another id than eager's."""
+    if not _HOOKED_CALL:
+        import dis
+        import types
+        inner = next(c for c in torch.nn.Module._call_impl.__code__.co_consts
+                     if isinstance(c, types.CodeType) and c.co_name == "inner")
+        loaded = False
+        for instruction in dis.get_instructions(inner):
+            if instruction.argval == "forward_call" and instruction.opname.startswith("LOAD"):
+                loaded = True
+            elif loaded and instruction.opname.startswith("CALL"):
+                _HOOKED_CALL.append((inner, instruction.positions.lineno, instruction.offset))
+                break
+    return _HOOKED_CALL[0]
 
 
 # -- the callable eager sees for a Python operator -------------------------------------------
