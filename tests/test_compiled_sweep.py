@@ -7,8 +7,9 @@ case has it) is compiled with ``torch.compile(model, backend="aot_eager")``
 and, inside ``amanda.apply``:
 
 * a counting tool (before and after every forward op, keyed by (op id, op
-  name, point)) sees over two calls the multiset of executions that the same
-  compiled callable gives with the compiled path off
+  name, point); a portable identity routine at the same points, so one
+  instrumented compilation checks both) sees over two calls the multiset of
+  executions that the same compiled callable gives with the compiled path off
   (``pytorch_compiled.ENABLED = False``: every op runs eagerly). transformers
   builds other code under compilation (``is_torchdynamo_compiling()``: a
   causal mask built from ``arange`` instead of a ``torch.all`` check that
@@ -16,9 +17,9 @@ and, inside ``amanda.apply``:
   that code: ``torch.compiler.is_compiling`` patched to return True. A call
   that fell back to eager (`EAGER_FALLBACKS` grew) is compared with the
   plain eager run, and its reasons must be the ones listed in `FALLBACKS`;
-* identity routines (a Python ``@portable.hosted`` one and a portable one)
-  before and after every op keep the outputs bit-identical to the vanilla
-  compiled model's;
+* identity routines (a Python ``@portable.hosted`` one; the portable one
+  beside the counting routines) before and after every op keep the outputs
+  bit-identical to the vanilla compiled model's;
 * after the scope, torch's function-mode stack is empty and the global
   module hooks are those from before.
 
@@ -39,7 +40,7 @@ torch = pytest.importorskip("torch")
 import amanda  # noqa: E402
 from amanda.runtime import pytorch_compiled  # noqa: E402
 from tests.sweep_models import CASES  # noqa: E402
-from tests.test_compiled_models import CountPoints, Identity, _tensors  # noqa: E402
+from tests.test_compiled_models import CountPoints, Identity, _same, _tensors  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +77,16 @@ FALLBACKS = {
 }
 
 
+class CountAndPortableIdentity(CountPoints):
+    """Counts before and after every op (``amanda::observe``) and runs a
+    portable identity routine there too (traced into the graph)."""
+
+    def analysis(self, context):
+        super().analysis(context)
+        context.insert_before_op(_same)
+        context.insert_after_op(_same)
+
+
 def _scope(case):
     if case.autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -90,17 +101,21 @@ def _hooks():
         "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")]
 
 
-def _points(case, compiled, inputs, compiled_path, compiling=False, calls=2):
-    """(op id, op name, point) -> executions over ``calls`` calls; with
-    ``compiling``, transformers takes the branches it takes under Dynamo."""
+def _points(case, compiled, inputs, compiled_path, compiling=False, calls=2, outputs=None):
+    """(op id, op name, point) -> executions over ``calls`` calls of
+    `CountAndPortableIdentity` (the calls' output tensors appended to
+    ``outputs``); with ``compiling``, transformers takes the branches it
+    takes under Dynamo."""
     pytorch_compiled.ENABLED = compiled_path
-    tool = CountPoints()
+    tool = CountAndPortableIdentity()
     patch = unittest.mock.patch("torch.compiler.is_compiling", lambda: True) if compiling \
         else contextlib.nullcontext()
     try:
         with patch, torch.no_grad(), _scope(case), amanda.apply(tool):
             for _ in range(calls):
-                compiled(**inputs)
+                out = compiled(**inputs)
+                if outputs is not None:
+                    outputs.append(_tensors(out))
     finally:
         pytorch_compiled.ENABLED = True
     return tool.executions
@@ -137,7 +152,8 @@ def _check(name):
     # counting, by difference with eager
     eager = _points(case, compiled, inputs, compiled_path=False)
     counted = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
-    observed = _points(case, compiled, inputs, compiled_path=True)
+    outputs = []
+    observed = _points(case, compiled, inputs, compiled_path=True, outputs=outputs)
     fell_back = bool(_new_fallbacks(counted))
     reference = eager if fell_back else \
         _points(case, compiled, inputs, compiled_path=False, compiling=True)
@@ -147,15 +163,15 @@ def _check(name):
         f"{name}: eager-only {sorted(set(k[1] for k in missing))}, "
         f"compiled-only {sorted(set(k[1] for k in extra))}")
 
-    # identity routines keep the vanilla compiled outputs bit-identical
-    for portable_routine in (False, True):
-        with torch.no_grad(), _scope(case), amanda.apply(Identity(portable_routine)):
-            outputs = [_tensors(compiled(**inputs)) for _ in range(2)]
-        for out in outputs:
+    # identity routines keep the vanilla compiled outputs bit-identical:
+    # portable ones (beside the counting routines above), then Python ones
+    with torch.no_grad(), _scope(case), amanda.apply(Identity(False)):
+        hosted = [_tensors(compiled(**inputs)) for _ in range(2)]
+    for kind, runs in (("portable", outputs), ("python", hosted)):
+        for out in runs:
             assert len(out) == len(expected)
             assert all(torch.equal(a, b) for a, b in zip(out, expected)), \
-                f"{name}: identity routines ({'portable' if portable_routine else 'python'}) " \
-                "changed the compiled outputs"
+                f"{name}: identity routines ({kind}) changed the compiled outputs"
     assert all(torch.equal(a, b) for a, b in zip(_plain(case, compiled, inputs), expected))
 
     # no state left behind
