@@ -35,7 +35,7 @@ class Action:
         tool: the tool whose analysis routine recorded the action.
     """
 
-    __slots__ = ("kind", "func", "positions", "kwargs", "ad", "tool")
+    __slots__ = ("kind", "func", "positions", "kwargs", "ad", "tool", "__weakref__")
 
     def __init__(self, kind, func, positions, kwargs, ad, tool):
         self.kind = kind

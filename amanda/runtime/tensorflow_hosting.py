@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -61,7 +62,9 @@ def _failed(error):
 
 # An integer constant a routine may read but not replace (tensorflow_rewrite
 # `_keep_constant`) is checked by an Assert op whose message names a token;
-# the error to raise for it waits here, for as long as the process lives.
+# what the error needs waits here, for as long as the action lives: the
+# action is held weakly (the instrumented graph holds it), or every tool,
+# its sessions and their graphs would stay alive for the process's life.
 _kept = {}
 _KEPT_MARK = "amanda-kept-constant-"
 _KEPT_RE = re.compile(re.escape(_KEPT_MARK) + r"(\d+)")
@@ -70,9 +73,20 @@ _KEPT_RE = re.compile(re.escape(_KEPT_MARK) + r"(\d+)")
 def _kept_constant(action, where, message):
     """The text of the check that ``action`` left a constant as it was."""
     with _failures_lock:
+        if len(_kept) >= 1024:          # forget the checks of actions that are gone
+            for token in [t for t, entry in _kept.items() if entry[0]() is None]:
+                del _kept[token]
         token = next(_failure_tokens)
-        _kept[token] = (action, where, message)
+        _kept[token] = (weakref.ref(action), where, message)
     return f"{_KEPT_MARK}{token}: {message}"
+
+
+def _kept_error(token):
+    """The `ToolError` of a failed check, or None if its action is gone
+    (TensorFlow's error, which carries the check's text, is raised then)."""
+    entry = _kept.get(token)
+    action = entry[0]() if entry is not None else None
+    return None if action is None else _tool_error(action, *entry[1:])
 
 
 @contextlib.contextmanager
@@ -86,8 +100,9 @@ def _surface():
         match = _FAILURE_RE.search(exc.message or "")
         if match is None:
             kept = _KEPT_RE.search(exc.message or "")
-            if kept is not None and int(kept.group(1)) in _kept:
-                raise _tool_error(*_kept[int(kept.group(1))]) from exc
+            error = _kept_error(int(kept.group(1))) if kept is not None else None
+            if error is not None:
+                raise error from exc
             raise
         with _failures_lock:
             error = _failures.pop(int(match.group(1)), None)

@@ -134,6 +134,30 @@ class _BodyRewrite:
         return fdef
 
 
+def _numpy_function(graph, func, *args, **kwargs):
+    """``tf.numpy_function`` in ``graph`` (the copy being built), with
+    ``func`` kept alive by ``graph``. TensorFlow keeps a hosted function alive
+    as long as the outermost graph around the one it is created in: for the
+    copy of a ``tf.function`` that is the process's global eager graph, which
+    never dies, so every routine (and through it its tool, the tool's
+    sessions and their graphs) would be kept for the life of the process.
+    The function is handed to the copy instead, which lives as long as amanda's
+    cache entry for the user's function."""
+    root = graph
+    while getattr(root, "outer_graph", None) is not None and root.outer_graph is not root:
+        root = root.outer_graph
+    before = len(getattr(root, "_py_funcs_used_in_graph", ()))
+    result = tf.numpy_function(func, *args, **kwargs)
+    if root is not graph:
+        kept = root._py_funcs_used_in_graph
+        moved = kept[before:]
+        del kept[before:]
+        if not hasattr(graph, "_py_funcs_used_in_graph"):
+            graph._py_funcs_used_in_graph = []
+        graph._py_funcs_used_in_graph.extend(moved)
+    return result
+
+
 class _GraphRewrite:
     """An instrumented copy of a user graph, kept up to date as it grows.
 
@@ -444,14 +468,14 @@ class _GraphRewrite:
         if replacing:
             func = _replacer(action, where, [t.shape for t in like],
                              [t.dtype.as_numpy_dtype for t in like])
-            tensors = tf.numpy_function(func, inputs, [t.dtype for t in like], stateful=True,
+            tensors = _numpy_function(self.copy, func, inputs, [t.dtype for t in like], stateful=True,
                                         name=name)
             tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
             routine = tensors[0].op if tensors else None
             tensors = [_shaped(new, old.shape) for new, old in zip(tensors, like)]
         elif not hosted:   # nothing to pass: a bare callback ordered by control edges
             func = _observer(action, where, len(inputs), hosted, [])
-            routine = tf.numpy_function(func, [tf.constant(0)], [tf.int32], stateful=True,
+            routine = _numpy_function(self.copy, func, [tf.constant(0)], [tf.int32], stateful=True,
                                         name=name)[0].op
             self._order(op.attrs["kind"], target, routine)
             tensors = list(like)
@@ -459,7 +483,7 @@ class _GraphRewrite:
             dtypes = [like[i].dtype for i in hosted]
             func = _observer(action, where, len(inputs), hosted,
                              [d.as_numpy_dtype for d in dtypes])
-            results = tf.numpy_function(func, [inputs[i] for i in hosted],
+            results = _numpy_function(self.copy, func, [inputs[i] for i in hosted],
                                         [tf.bool] * len(hosted) + dtypes, stateful=True,
                                         name=name)
             routine = results[0].op
