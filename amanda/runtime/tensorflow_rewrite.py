@@ -143,7 +143,7 @@ def _numpy_function(graph, func, *args, **kwargs):
     sessions and their graphs) would be kept for the life of the process.
     The function is handed to the copy instead, which lives as long as amanda's
     cache entry for the user's function."""
-    root = graph
+    root = tf.compat.v1.get_default_graph()      # where TensorFlow starts its walk
     while getattr(root, "outer_graph", None) is not None and root.outer_graph is not root:
         root = root.outer_graph
     before = len(getattr(root, "_py_funcs_used_in_graph", ()))
