@@ -52,7 +52,6 @@ import torch
 from amanda import controls
 from amanda.context import OpContext
 from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
-from amanda.passes.instrumentation import _run_points
 from amanda.runtime import pytorch_compiled_sites as _sites
 from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
@@ -504,15 +503,14 @@ class _WatchedFrames:
 
 # -- analysis ------------------------------------------------------------------------------
 
-def analyse(lifted, session, gm=None, example_inputs=None):
+def analyse(lifted, session, gm, example_inputs):
     """Runs the session's forward analysis routines on every op, once.
 
-    With ``gm`` and its ``example_inputs`` (the real tensors of the call
-    Dynamo compiles for), the graph is run once eagerly (`_Probe`) and each
-    op's routines receive real tensors, as an eager op's first execution
-    gives them: the before-routines its inputs before it runs, the
-    after-routines its inputs and outputs after. Without them (tests of the
-    lifting), they receive the fx nodes.
+    The graph ``gm`` is run once eagerly on ``example_inputs`` (the real
+    tensors of the call Dynamo compiles for; `_Probe`) and each op's
+    routines receive real tensors, as an eager op's first execution gives
+    them: the before-routines its inputs before it runs, the after-routines
+    its inputs and outputs after.
 
     Returns:
         ``{fx node name: OpActions}`` of the ops that carry actions.
@@ -520,14 +518,6 @@ def analyse(lifted, session, gm=None, example_inputs=None):
     from amanda.passes.instrumentation import OpActions, _absorb
     backend = CompiledGraphBackend(lifted)
     plan = {}
-    if gm is None:
-        with controls.muted():
-            for op in lifted.graph.ops:
-                entry = _run_points(op, lifted.graph, session, backend, _context(lifted, backend, op),
-                                    (FORWARD_BEFORE, FORWARD_AFTER), ("_inputs", "_outputs"))
-                if entry:
-                    plan[op.name] = entry
-        return plan
     ops = {op.name: op for op in lifted.graph.ops}
     before, after = session.routines[FORWARD_BEFORE], session.routines[FORWARD_AFTER]
 
