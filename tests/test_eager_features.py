@@ -731,8 +731,6 @@ KNOWN = {
     # programs of tests/test_eager_harness.py catch: distinct clones it is.
     ("multihead_attention_train", True): "clones per position: another attention path",
     ("transformer_train", True): "clones per position: another attention path",
-    ("grad_scaler_cpu", True): "_amp_foreach_non_finite_check_and_unscale_ modifies its "
-                               "arguments without bumping their version counters",
     ("inplace_views_and_data", True): VIEW,
     ("swa_averaged_model", True): VIEW + " (p.detach().copy_(...))",
 }

@@ -25,7 +25,7 @@ from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
 from amanda.runtime.pytorch_records import _Cache, _StraightThrough
 from amanda.runtime.pytorch_routines import _grad_enabled
 from amanda.runtime.pytorch_segments import (
-    _FORWARD, _RECOMPUTE, _checkpoint_role, _in_backward, _state, _tls)
+    _FORWARD, _RECOMPUTE, _checkpoint_role, _drop_finished, _in_backward, _state, _tls)
 from amanda.runtime.pytorch_sites import _CONTROLS, _getframe
 
 
@@ -102,7 +102,8 @@ def _module_pre_hook(module, args):
             and "fast path" not in st.scripted and torch.backends.mha.get_fastpath_enabled():
         _warn_fast_path(st, module)
     modules = st.modules
-    role, token = _checkpoint_role(_getframe(1))
+    caller = _getframe(1)
+    role, token = _checkpoint_role(caller)
     if _in_backward() != -1:
         if role is _FORWARD:
             st.checkpointed(module, args, token, st.cache)  # a first run in a recomputation
@@ -111,13 +112,19 @@ def _module_pre_hook(module, args):
     else:
         if st.recomputing:
             st.end_recompute()
+        if modules:
+            _drop_finished(st, caller)
         if not modules:
             st.new_step()                  # a root module call starts a step
         else:
             st.parents[id(module)] = modules[:]
         if role is not None:
             st.checkpointed(module, args, token, st.cache)
+    frames = st.frames
+    if len(frames) != len(modules):      # the stack was set by a recomputation
+        frames[:] = [None] * len(modules)
     modules.append(weakref.ref(module))
+    frames.append(caller)
 
 
 def _module_post_hook(module, args, output):
@@ -127,6 +134,7 @@ def _module_post_hook(module, args, output):
     modules = st.modules
     if modules and modules[-1]() is module:
         modules.pop()
+        del st.frames[len(modules):]
         if st.recomputing and len(modules) == st.base:
             st.end_segment()         # the stack stays: see _ThreadState.recompute
 

@@ -9,8 +9,9 @@ the op directly (nothing to do) or runs it with its points and actions
 
 from __future__ import annotations
 
-import dis
 import contextlib
+import dis
+import types
 import warnings
 
 import torch
@@ -21,7 +22,7 @@ from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
 from amanda.runtime.pytorch_records import _OpRecord, _stable_id
 from amanda.runtime.pytorch_routines import (
     _analyse, _apply_actions, _check_replacement, _grad_enabled, _output_spec, _replace)
-from amanda.runtime.pytorch_segments import _in_backward, _state
+from amanda.runtime.pytorch_segments import _drop_finished, _in_backward, _state
 from amanda.runtime.pytorch_sites import (
     _CODE_KIND, _CONTROLS, _FUNCS, _NOT_A_POINT, _SITE, _calling_site, _classify, _getframe,
     _sequence_nr, _Tensor)
@@ -121,8 +122,10 @@ class _Mode(TorchFunctionMode):
         frame = _getframe(1)
         if _CODE_KIND.get(id(frame.f_code)) is not _SITE:
             frame = _calling_site(frame)
-        if frame is None:
-            return _machinery_call(func, args, kwargs)
+        if not frame:
+            if frame is None:
+                return _machinery_call(func, args, kwargs)
+            return func(*args, **kwargs)     # made by a __torch_dispatch__ method
         st = self.st
         modules = st.modules
         code = frame.f_code
@@ -143,6 +146,15 @@ class _Mode(TorchFunctionMode):
         cache = st.cache
         record = cache.records.get((key, n))
         if record is None:
+            if modules and not st.recomputing and _in_backward() == -1 \
+                    and _drop_finished(st, frame):
+                # modules left on the stack by an interrupted call: this
+                # call is keyed again without them
+                if n:
+                    st.counts[key] = n
+                else:
+                    st.counts.pop(key, None)
+                return self.__torch_function__(func, types, args, kwargs)
             if _tracer(st) is not None:
                 return _traced_call(st, func, args, kwargs)
             if func not in _PRODUCERS and not _has_tensor(args, kwargs):
@@ -380,7 +392,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         originals = list(tensors)
         if not _apply_actions(record.before, tensors, record.where):
             return func(*args, **kwargs)
-        swapped = _swapped(originals, tensors)
+        swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
         args, kwargs = _rebuild(args, kwargs, slots, tensors)
         return _write_back(swapped, func(*args, **kwargs), record.where[0])
     where = record.where
@@ -406,7 +418,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if record.before:
         originals = list(tensors)
         if _apply_actions(record.before, tensors, where):
-            swapped = _swapped(originals, tensors)
+            swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
             args, kwargs = _rebuild(args, kwargs, slots, tensors)
     versions = ([_version_of(t) for t in tensors] if record.after and computed is _NOTHING
                 else None)
@@ -453,7 +465,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         produced = list(outputs)
         if _apply_actions(record.after, outputs, where):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
-                                 result is None, where[0])
+                                 result is None, where[0], slots,
+                                 _writes_of(func, args, kwargs))
             if result is not None:
                 result = _rebuild_outputs(result, outputs)
             if ir_op is not None:
@@ -475,11 +488,82 @@ def _in_place_name(name):
         name.startswith("__i") and name.endswith("__"))
 
 
-def _swapped(originals, tensors):
-    """[original, replacement, the replacement's version] for each tensor a
-    before-routine replaced."""
-    return [[old, new, _version_of(new)] for old, new in zip(originals, tensors)
+def _swapped(originals, tensors, slots, writes):
+    """[original, replacement, the replacement's version, whether the op
+    writes that argument by its declaration (``_writes_of``)] for each
+    tensor a before-routine replaced."""
+    return [[old, new, _version_of(new), bool(writes) and _declared(writes, slot)]
+            for old, new, slot in zip(originals, tensors, slots)
             if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor)]
+
+
+_BINDINGS = (types.BuiltinFunctionType, types.MethodDescriptorType)
+# func -> the arguments its ATen schema marks as written (``Tensor(a!)``):
+# positions and keyword names, or None when it declares none / has no schema
+_WRITES = {}
+
+
+def _declared_writes(func):
+    """**Rule: an argument the op's schema declares written counts as
+    modified, whether or not its version counter moved.** Most ops bump the
+    version counter of what they write, which is how the rules below see a
+    modification; torch's fused kernels do not (``_fused_adam_``,
+    ``_fused_adamw_``, ``_fused_sgd_`` of ``fused=True`` optimizers, and
+    ``_amp_foreach_non_finite_check_and_unscale_`` of ``GradScaler``), but
+    their ATen schema says which arguments they write. Looked up once per
+    function, by its name among ``torch.ops.aten`` (all overloads)."""
+    try:
+        return _WRITES[func]
+    except KeyError:
+        pass
+    except TypeError:          # an unhashable callable: no schema
+        return None
+    found = set()
+    # only torch's generated bindings take their arguments in the schema's
+    # order; a Python function of the same name (F.batch_norm) need not
+    name = getattr(func, "__name__", None) if isinstance(func, _BINDINGS) else None
+    try:
+        packet = getattr(torch.ops.aten, name) if name else None
+        overloads = packet.overloads() if packet is not None else ()
+        for overload in overloads:
+            for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    found.add(arg.name)
+                    if not arg.kwarg_only:
+                        found.add(i)
+    except Exception:          # noqa: BLE001 - not an ATen op: nothing declared
+        found = set()
+    writes = _WRITES[func] = frozenset(found) or None
+    return writes
+
+
+# Ops that write arguments their schema does not mark, and do not bump
+# their version counters either: batch norm's running statistics (instance
+# norm copies them back with copy_, which does). func -> (the arguments
+# written, and the position, name and default of the flag under which they
+# are written)
+_STATS = frozenset(("running_mean", "running_var"))
+_UNDECLARED = {
+    torch.nn.functional.batch_norm: (_STATS | {1, 2}, 5, "training", False),
+    torch.batch_norm: (_STATS | {3, 4}, 5, "training", None),
+}
+
+
+def _writes_of(func, args, kwargs):
+    """The arguments this call of ``func`` writes by declaration: its
+    schema's (``_declared_writes``), or, for batch norm, its running
+    statistics when the call updates them (in training)."""
+    undeclared = _UNDECLARED.get(func)
+    if undeclared is not None:
+        written, position, name, default = undeclared
+        flag = args[position] if len(args) > position else kwargs.get(name, default)
+        return written if flag else None
+    return _declared_writes(func)
+
+
+def _declared(writes, slot):
+    """Whether the argument at ``slot`` (see ``_flatten``) is declared written."""
+    return slot[0] in writes
 
 
 def _write_back(swapped, result, name):
@@ -489,17 +573,27 @@ def _write_back(swapped, result, name):
     on parameters and state): its new value is copied into the original,
     tracked by autograd where the op would be, and the op's result names the
     original where it named the replacement — as if the routine's value had
-    been written into the original before the op ran. (A modified original's
-    entry keeps ``None`` as version: ``_write_into_modified`` reads it.)"""
+    been written into the original before the op ran. A leaf that requires
+    grad (a parameter) is written under ``no_grad``: torch refuses in-place
+    writes to one otherwise, so an op that modified it did so under
+    ``no_grad`` itself (``F.embedding``'s ``max_norm`` renormalisation).
+    (A modified original's entry keeps "written" as version:
+    ``_write_into_modified`` reads it.)"""
     written = {}
     for entry in swapped:
-        old, new, version = entry
-        if version is None:     # an inference tensor: no version counter
+        old, new, version, declared = entry
+        if declared:            # declared written (_writes_of)
+            modified = True
+        elif version is None:   # an inference tensor: no version counter
             modified = _in_place_name(name) and (new is result or result is None)
         else:
             modified = new._version != version
         if modified:
-            old.copy_(new)
+            if old.is_leaf and old.requires_grad:
+                with torch.no_grad():
+                    old.copy_(new)
+            else:
+                old.copy_(new)
             written[id(new)] = old
             entry[2] = "written"
     if not written:
@@ -512,7 +606,8 @@ def _write_back(swapped, result, name):
     return result
 
 
-def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_none, name):
+def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_none, name,
+                         slots=None, writes=None):
     """**Rule: an after-routine's replacement of a tensor the op modified
     (or created as a leaf) is written into it.** An in-place op returns the
     tensor it modified (one that returns None, ``__setitem__``, has it as its
@@ -531,7 +626,9 @@ def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_
                 modified.add(id(t))
         elif t._version != version:
             modified.add(id(t))
-    for old, new, state in swapped or ():
+    if writes and inputs:
+        modified.update(id(t) for t, slot in zip(inputs, slots) if _declared(writes, slot))
+    for old, new, state, _ in swapped or ():
         if state == "written":
             modified.add(id(old))
     input_ids = {id(t) for t in inputs or ()}

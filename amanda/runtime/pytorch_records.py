@@ -66,6 +66,13 @@ class _StraightThrough(torch.autograd.Function):
     def backward(ctx, grad):
         return grad, None
 
+    @staticmethod
+    def jvp(ctx, tangent, box_tangent):
+        # forward-mode AD (torch.autograd.forward_ad, torch.func.jvp/jacfwd):
+        # the original's tangent goes forward unchanged, as the gradient
+        # goes back; without this method torch refuses the function
+        return tangent
+
 
 _STRAIGHT_THROUGH_NODE = None  # set lazily: the autograd node class of _StraightThrough
 

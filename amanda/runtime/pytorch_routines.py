@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from amanda import controls
 from amanda.context import take_actions
@@ -23,6 +24,26 @@ from amanda.runtime.routines import call_routine, invoke, select
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_unpack_dual = torch._C._VariableFunctions._unpack_dual
+_interpreter_stack = torch._C._functorch.get_interpreter_stack
+_JVP = torch._C._functorch.TransformType.Jvp
+
+
+def _differentiated(tensor):
+    """Whether autodiff follows ``tensor``, so a routine's replacement of
+    it must be wired in straight-through: it requires grad while grad is
+    enabled (reverse mode), or forward-mode AD carries a tangent on it
+    (``torch.autograd.forward_ad``, which ``no_grad`` does not stop, or a
+    ``torch.func.jvp``/``jacfwd`` transform): without the straight-through
+    the tangent would be the routine's (lost when it detaches, scaled when
+    it scales), not the original's."""
+    if tensor.requires_grad and _grad_enabled():
+        return True
+    level = _fwad._current_level
+    if level >= 0 and _unpack_dual(tensor, level)[1] is not None:
+        return True
+    stack = _interpreter_stack()
+    return bool(stack) and any(layer.key() == _JVP for layer in stack)
 
 
 class _Exporting(threading.local):
@@ -37,7 +58,14 @@ EXPORTING = _Exporting()
 
 
 def _meta(tensor):
-    return (tensor.shape, tensor.dtype) if isinstance(tensor, _Tensor) else None
+    """(shape, dtype) of a tensor, what a replacement must keep; None for
+    anything else. A nested tensor of the strided layout has no ``shape``
+    (torch raises): its shape is its components' shapes."""
+    if not isinstance(tensor, _Tensor):
+        return None
+    if tensor.is_nested and tensor.layout is torch.strided:
+        return (tuple(map(tuple, tensor._nested_tensor_size().tolist())), tensor.dtype)
+    return (tensor.shape, tensor.dtype)
 
 
 def _invoke(action, selected, where, meta=_meta):
@@ -84,12 +112,28 @@ def _apply_actions(actions, values, where):
             old = values[pos]
             if new is None or new is old:
                 continue
-            if not action.ad and isinstance(old, _Tensor) and old.requires_grad \
-                    and _grad_enabled():
+            if not action.ad and isinstance(old, _Tensor) and _differentiated(old):
+                if old.is_nested and old.layout is torch.strided:
+                    raise _strided_nested(action, where)
                 new = _StraightThrough.apply(old, [new.detach()])
             values[pos] = new
             changed = True
     return changed
+
+
+def _strided_nested(action, where):
+    """torch's autograd functions refuse nested tensors of the strided layout
+    (\"NestedTensorImpl doesn't support sizes\"), so a replacement of one that
+    autodiff follows cannot be wired in straight-through: said, not left to
+    torch's internal error."""
+    op_name, op_id, namespace = where
+    return ToolError(
+        "instrumentation routine replaced a nested tensor of the strided layout that "
+        "autodiff follows; PyTorch's autograd functions cannot take one, so its gradient "
+        "cannot pass straight through (build it with layout=torch.jagged, or record the "
+        "action inside amanda.ad_enabled() to differentiate the routine)",
+        tool=action.tool, routine=action.func, op_name=op_name, op_id=op_id,
+        namespace=namespace)
 
 
 def _analyse(session, point, context, record):
@@ -136,7 +180,7 @@ def _check_replacement(action, result, spec, where):
         if not isinstance(result, _Tensor):
             raise fail(f"returned {_describe_value(result)}; the op returns one tensor "
                        "(return a tensor, not a sequence)")
-        got, want = (result.shape, result.dtype), spec
+        got, want = _meta(result), spec
         if not _tracing() and got != want:
             raise fail(f"returned a tensor of shape {list(got[0])} and dtype {got[1]}; "
                        f"the op returns shape {list(want[0])} and dtype {want[1]}")
@@ -153,7 +197,7 @@ def _check_replacement(action, result, spec, where):
         if len(result) != len(spec):
             raise fail(f"returned {len(result)} values; the op returns {len(spec)}")
         for i, (r, want) in enumerate(zip(result, spec)):
-            got = (r.shape, r.dtype) if isinstance(r, _Tensor) else None
+            got = _meta(r)
             if got != want:
                 raise fail(f"returned {got} at position {i}; the op returns {want} there")
     return result

@@ -33,6 +33,55 @@ class _Segment:
         self.used = None    # the backward pass that recomputed it
 
 
+def _still_running(frame, caller):
+    """Whether the module call whose frame is ``frame`` is still running
+    around the call made from frame ``caller``: ``frame`` is above it on the
+    stack. None (not known) counts as running.
+
+    **Rule: the stack of modules being called holds only calls that are
+    running.** torch runs the global forward hook that pops a module
+    (``always_call``) when its forward raises an ``Exception``, not a
+    ``BaseException`` such as ``KeyboardInterrupt``: a model interrupted so
+    and caught inside ``apply`` would leave its modules on the stack, and
+    every later call would be taken for a call inside them (other
+    occurrence counts, other op ids, no new step). The next module call,
+    and the next op not seen before inside the module on top (an op
+    outside modules after the interruption), find that their frames are
+    gone and drop them. Checked in the forward pass only: a recomputation
+    in backward borrows the stack of the forward call.
+    """
+    if frame is None:
+        return True
+    f = caller.f_back
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+def _drop_finished(st, caller):
+    """Drop the module calls that have ended from ``st.modules`` (see
+    `_still_running`); whether any was dropped. ``st.frames`` holds the
+    frame of each module call beside it (None where not known)."""
+    modules, frames = st.modules, st.frames
+    if len(frames) != len(modules) or _still_running(frames[-1], caller):
+        return False
+    running = set()
+    f = caller.f_back
+    while f is not None:
+        running.add(id(f))
+        f = f.f_back
+    keep = 0
+    for frame in frames:
+        if frame is not None and id(frame) not in running:
+            break
+        keep += 1
+    del modules[keep:]
+    del frames[keep:]
+    return True
+
+
 class _ThreadState:
     """Per-thread driver state: the modules being called and the occurrence
     counts of the current step.
@@ -48,6 +97,7 @@ class _ThreadState:
         self.cache = None
         self.mode = None
         self.modules = []       # weak references to the modules being called
+        self.frames = []        # the frame of each of their calls (None: not known)
         self.counts = {}        # site key -> occurrences in this step (ops in modules)
         self.segments = {}      # id(module) -> [_Segment] of its checkpointed calls
         self.parents = {}       # id(module) -> stack above its last call this step
@@ -162,6 +212,7 @@ class _ThreadState:
             self.recomputing = False
             self.counts, self.saved = self.saved, None
             self.modules.clear()
+            self.frames.clear()
             self.base = 0
 
     def reset(self, cache):
@@ -170,6 +221,7 @@ class _ThreadState:
         self.end_recompute()
         self.new_step()
         self.modules.clear()
+        self.frames.clear()
         self.scripted.clear()
         self.traced_warned = False
         self.base = 0

@@ -66,6 +66,10 @@ _SITE = 1        # the op's calling site: user code, models, tools, torch.nn lay
 _LIBRARY = 2     # torch internals and amanda's runtime: the site is further up
 _MACHINERY = 3   # torch mechanisms (activation checkpointing) whose calls are not ops
 _BOUNDARY = 4    # nn.Module's call machinery: the site never lies above it
+_HANDLER = 5     # a user's ``__torch_dispatch__``: its calls implement an op or node
+#: what `_calling_site` returns for a call made by a ``__torch_dispatch__``
+#: method (None: by torch's machinery)
+_IN_HANDLER = False
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 # torch's own layers (nn.Conv2d.forward...) are sites, so an op inside a torch
@@ -96,8 +100,17 @@ def _code_kind(code):
             kind = _MACHINERY
         elif path.startswith(_LAYER_DIR):
             kind = _SITE
+        elif path.startswith(_LIBRARY_DIRS):
+            kind = _LIBRARY
         else:
-            kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _SITE
+            # **Rule: calls a ``__torch_dispatch__`` method makes are not
+            # points.** A TorchDispatchMode or tensor subclass runs below
+            # autograd: its handler receives the ATen ops that implement a
+            # forward op (already a point) or a backward node (one, too),
+            # and the OpOverloads it calls reach amanda's mode in the
+            # backward pass, which runs under it; they would be counted
+            # as forward ops of the model.
+            kind = _HANDLER if code.co_name == "__torch_dispatch__" else _SITE
         _CODE_KIND[id(code)] = kind
     return kind
 
@@ -106,11 +119,14 @@ def _calling_site(frame):
     """The frame that identifies an op called from ``frame``: the first one
     outside torch's internals and amanda's runtime, but never above the
     module call that runs it. None when torch's checkpointing machinery made
-    the call (not an op of the model)."""
+    the call (not an op of the model), ``_IN_HANDLER`` (False) when a
+    ``__torch_dispatch__`` method made it (not an op either)."""
     kind = _CODE_KIND.get(id(frame.f_code)) or _code_kind(frame.f_code)
     while kind is not _SITE and kind is not _BOUNDARY:
         if kind is _MACHINERY:
             return None
+        if kind is _HANDLER:
+            return _IN_HANDLER
         back = frame.f_back
         if back is None:
             break
