@@ -13,6 +13,7 @@ scenarios each failed before the fix they name.
 import contextlib
 import copy
 import io
+import os
 import pickle
 import threading
 import warnings
@@ -523,3 +524,51 @@ def test_a_user_dispatch_mode_inside_apply_adds_no_points():
                 m(torch.randn(3, 4)).sum().backward()
         return dict(tool.executions)
     assert run(Dispatching()) == run(contextlib.nullcontext())
+
+
+# -- forked processes -------------------------------------------------------------------
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)).sin() * 2
+
+
+class PidWriter(amanda.Tool):
+    """Writes the id of the process each routine runs in to a file."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+        self.add_inst_for_op(lambda context: context.insert_before_op(self._write))
+
+    def _write(self, *tensors):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork")
+def test_dataloader_workers_forked_inside_apply_run_plain_and_amanda_says_so(tmp_path):
+    """Before: a forked DataLoader worker inherited amanda's mode and ran
+    the routines of its copy of the tools on the dataset's torch calls,
+    unseen by the parent (its counts, traces and state are lost), silently."""
+    def load():
+        loader = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2,
+                                             multiprocessing_context="fork")
+        return [batch for batch in loader]
+    plain = load()
+    path = tmp_path / "pids"
+    before = torch_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amanda.apply(PidWriter(path)):
+            batches = load()
+            torch.ones(2).sum()
+    assert torch_state() == before
+    assert all(same(a, b) for a, b in zip(plain, batches)) and len(plain) == len(batches)
+    assert set(path.read_text().split()) == {str(os.getpid())}
+    said_here = [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]
+    assert len(said_here) == 1 and "forked" in str(said_here[0].message)
+    assert said_here[0].filename == __file__

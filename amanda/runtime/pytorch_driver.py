@@ -11,6 +11,8 @@ Part of :mod:`amanda.runtime.pytorch`.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 import warnings
 import weakref
@@ -76,6 +78,11 @@ def _named_parents(st, module):
     return [(n, parent) for n, child in parent.named_children() if child is module]
 
 
+#: the code of the function inside ``Module._call_impl`` that runs the hooks
+_HOOKS_CODE = next(c for c in torch.nn.Module._call_impl.__code__.co_consts
+                   if getattr(c, "co_name", None) == "inner")
+
+
 def _module_pre_hook(module, args):
     """Global forward pre-hook while amanda is applied: keeps the stack of
     modules being called. (Wrapping ``nn.Module.__call__`` would be cheaper
@@ -124,7 +131,9 @@ def _module_pre_hook(module, args):
     if len(frames) != len(modules):      # the stack was set by a recomputation
         frames[:] = [None] * len(modules)
     modules.append(weakref.ref(module))
-    frames.append(caller)
+    # the frame of Module.__call__ running the hooks; None when another
+    # caller runs this hook (the compiled path, for calls Dynamo ran)
+    frames.append(caller if caller.f_code is _HOOKS_CODE else None)
 
 
 def _module_post_hook(module, args, output):
@@ -196,6 +205,9 @@ class TorchEagerDriver(Driver):
         """Pop one scope: at the outermost, remove the mode and hooks."""
         st.depth -= 1
         if st.depth == 0:
+            if st.forked:                    # a forked child leaves its copy of the scope
+                st.forked = False
+                _CONTROLS.disabled = False
             mode = st.mode
             st.reset(None)
             st.mode = None
@@ -221,6 +233,39 @@ class TorchEagerDriver(Driver):
         self._handles = []
         _restore_engine()
         _restore_compile()
+
+
+# -- forked processes -----------------------------------------------------------------
+
+def _after_fork_in_child():
+    """**Rule: a process forked inside ``apply`` runs uninstrumented.** A
+    DataLoader worker (or any ``fork``) inherits the thread's mode and
+    hooks: without this, the dataset's and collate's torch calls ran the
+    routines of the child's *copy* of the tools, whose counts, traces and
+    state the parent never sees. The child is muted as by ``disabled()``
+    until it leaves its copy of the scope (a child that goes on running the
+    parent's code); the parent says so (`_after_fork_in_parent`)."""
+    st = getattr(_tls, "state", None)
+    if st is not None and st.depth and not _CONTROLS.disabled:
+        st.forked = True
+        _CONTROLS.disabled = True
+
+
+def _after_fork_in_parent():
+    st = getattr(_tls, "state", None)
+    if st is None or not st.depth or _CONTROLS.disabled or st.fork_warned:
+        return
+    st.fork_warned = True
+    warnings.warn(
+        "amanda: a process forked inside apply (a DataLoader worker, multiprocessing's "
+        "fork) runs its torch calls uninstrumented: routines run in this process only "
+        "(load data with num_workers=0 to instrument it). See docs/pytorch-eager.md, "
+        "Limits.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch, multiprocessing))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child,
+                        after_in_parent=_after_fork_in_parent)
 
 
 # -- the backward pass ------------------------------------------------------------

@@ -108,6 +108,8 @@ class _ThreadState:
         self.segment_cache = None   # the scope's cache, while a segment runs under another
         self.scripted = set()   # ids of TorchScript modules (and "fast path") warned about in this scope
         self.traced_warned = False  # whether this scope said that tracing gets no points
+        self.fork_warned = False    # whether this scope said that forked processes get none
+        self.forked = False         # a forked child: amanda muted until its scope ends
         self.instrumented_trace = False   # amanda.export's trace records the routines
 
     def new_step(self):
@@ -224,6 +226,7 @@ class _ThreadState:
         self.frames.clear()
         self.scripted.clear()
         self.traced_warned = False
+        self.fork_warned = False
         self.base = 0
 
 
