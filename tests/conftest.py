@@ -23,3 +23,17 @@ def cnn():
 def functional_cnn():
     torch.manual_seed(0)
     return FunctionalReluNet(10)
+
+
+@pytest.fixture
+def compiled_path_fresh_dynamo():
+    """The compiled PyTorch path on (the default; set again in case a test
+    changed it) between two ``torch._dynamo.reset()``: no compiled code or
+    recompilation count carried from one test to the next. Used by the
+    tests/test_compiled_*.py files (``pytestmark``)."""
+    from amanda.runtime import pytorch_compiled
+    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    pytorch_compiled.ENABLED = saved

@@ -13,13 +13,7 @@ from amanda import portable  # noqa: E402
 from amanda.runtime import pytorch_compiled  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _compiled_path():
-    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    pytorch_compiled.ENABLED = saved
+pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
 
 
 class CountPoints(amanda.Tool):

@@ -31,6 +31,8 @@ small tests at the end pin each bug the sweep found. docs/pytorch-compiled.md
 
 import collections
 import contextlib
+import functools
+import types
 import unittest.mock
 
 import pytest
@@ -43,13 +45,7 @@ from tests.sweep_models import CASES  # noqa: E402
 from tests.test_compiled_models import CountPoints, Identity, _same, _tensors  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _compiled_path():
-    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    pytorch_compiled.ENABLED = saved
+pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
 
 
 #: The forward cases: generate (its loop recompiles per length), double
@@ -342,3 +338,140 @@ def test_checkpointed_region_runs_eagerly():
             compiled(x)
     assert observed.executions == eager.executions
     assert any("tag_activation_checkpoint" in r for r in _new_fallbacks(before))
+
+
+def _keyword_renamer(func):
+    """A decorator like transformers 5.24's ``deprecate_kwarg``: the module
+    reaches its ``forward`` as ``args[0]`` of a ``wrapper(*args, **kwargs)``,
+    the frame Dynamo compiles for ``torch.compile(module)``."""
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        if "hidden" in kwargs:
+            kwargs["x"] = kwargs.pop("hidden")
+        return func(*args, **kwargs)
+    return wrapped
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    @_keyword_renamer
+    def forward(self, x):
+        return torch.relu(self.proj(x)) * 2
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(8, 4)
+
+    @_keyword_renamer
+    def forward(self, x):
+        x = x + 1                              # an op of the root module itself
+        for block in self.blocks:
+            x = block(hidden=x)
+        return self.head(self.blocks[0](x))    # a module called twice
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_module_reached_through_a_wrappers_args_has_eagers_paths(backend):
+    """A ``forward`` decorated by a ``wrapper(*args, **kwargs)`` (transformers
+    5.24 put ``deprecate_kwarg`` on LLaMA's and Bloom's): the compiled
+    module is ``L['args'][0]`` to Dynamo, and every op had the path
+    ``0.<eager's path>`` (another id) before module paths were read below
+    the compiled module's own place in the frame (`_owner`)."""
+    torch.manual_seed(0)
+    model = _Wrapped().eval()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.rand(3, 8)
+    eager = _count(compiled, x, compiled_path=False)
+    assert {"linear", "relu", "mul", "add"} <= {k[1] for k in eager}
+    before = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    assert _count(compiled, x, compiled_path=True) == eager
+    assert not _new_fallbacks(before)             # it ran compiled
+    with torch.no_grad():
+        expected = model(x)
+        with amanda.apply(Identity(False)):
+            assert torch.equal(compiled(x), expected)
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def _through_an_attribute(holder, x):
+    return holder.net(x) * 2      # the root module call: eager's path "", its layer "fc"
+
+
+def test_function_reaching_a_module_through_an_attribute_has_eagers_paths():
+    """A compiled function calling ``holder.net``: eager names that module
+    "" (the root module call) and its layer "fc"; the paths were read below
+    the first two parts of Dynamo's source (``L.holder``), ``net`` and
+    ``net.fc``, other ids. They are now read below the root call's source."""
+    torch.manual_seed(0)
+    holder = types.SimpleNamespace(net=_Inner())
+    compiled = torch.compile(_through_an_attribute, backend="aot_eager")
+    x = torch.rand(2, 4)
+    eager = _count(compiled, holder, x, compiled_path=False)
+    assert {"linear", "relu", "mul"} <= {k[1] for k in eager}
+    before = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    assert _count(compiled, holder, x, compiled_path=True) == eager
+    assert not _new_fallbacks(before)             # it ran compiled
+
+
+_LOOSE = _Inner()
+
+
+class _CallsALooseModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _LOOSE(self.proj(x)) + 1           # a module that is no attribute of the model
+
+
+def test_module_outside_the_model_has_eagers_path():
+    """Eager names a module called from ``forward`` that is not below the
+    model (a global) by its class (``_Inner``, then ``_Inner.fc``); Dynamo's
+    source is ``G['_LOOSE']``. Paths are now eager's own naming of the
+    module objects the sources name (before: a part of the global's name
+    or "", other ids, silently)."""
+    torch.manual_seed(0)
+    compiled = torch.compile(_CallsALooseModule(), backend="aot_eager")
+    x = torch.rand(2, 4)
+    eager = _count(compiled, x, compiled_path=False)
+    before = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    assert _count(compiled, x, compiled_path=True) == eager
+    assert not _new_fallbacks(before)             # it ran compiled
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = self.first                  # one module, two names
+
+    def forward(self, x):
+        return torch.relu(self.second(x)) + self.first(x)
+
+
+def test_module_with_two_names_has_eagers_path():
+    """A module registered under two names and called through the second:
+    eager names it by the first name ``named_modules()`` gives (``first``),
+    Dynamo's source by the attribute used (``second``): other ids before."""
+    torch.manual_seed(0)
+    compiled = torch.compile(_Tied(), backend="aot_eager")
+    x = torch.rand(2, 4)
+    eager = _count(compiled, x, compiled_path=False)
+    before = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
+    assert _count(compiled, x, compiled_path=True) == eager
+    assert not _new_fallbacks(before)

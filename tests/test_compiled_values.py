@@ -1,6 +1,6 @@
 """Compiled PyTorch: analysis routines receive the real tensors an eager op's
 first execution gives them, and the run that produces them leaves nothing
-behind (amanda.runtime.pytorch_compiled._Probe). Checked by difference with
+behind (amanda.runtime.pytorch_compiled_probe._Probe). Checked by difference with
 eager (the values a tool reads, the masks and FLOPs tools compute) and with
 the same compiled model outside amanda (outputs, buffers, parameters, the
 random number generator, the caller's input)."""
@@ -21,13 +21,7 @@ from amanda.tools.pruning import Pruner  # noqa: E402
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    pytorch_compiled.ENABLED = saved
+pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
 
 
 class ReadValues(amanda.Tool):

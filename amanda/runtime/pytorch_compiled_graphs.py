@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import threading
+import weakref
 
 import torch
 import torch.fx
@@ -119,16 +120,77 @@ def _tensor_args(node):
     return found
 
 
+def _source_path(entry):
+    """A module stack entry's source, dotted: ``L['self'].layers[0]`` -> ``L.self.layers.0``."""
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", entry[0])
+
+
 def _module_path(node, root):
-    """(path below the compiled module, class) of the innermost module calling
-    ``node``; ``root`` is (path, class) for nodes Dynamo gives no module stack."""
+    """(path below the root module, class) of the innermost module calling
+    ``node``; ``root`` is (path, class[, source, module]) for nodes Dynamo
+    gives no module stack.
+
+    **Rule:** a module's path is the one eager's `pytorch_mode._module_path`
+    gives the chain of modules being called: the root module, then each
+    module of Dynamo's stack, found as objects from their sources among the
+    compiled frame's locals and globals (``L['self'].layers[0]``); the root
+    is the compiled module (``module``, `_owner`), or in a compiled function
+    the outermost module of the stack. So a module reached through a
+    wrapper's ``args[0]``, through another object's attribute, a global, or
+    registered under two names gets eager's name. Where a source does not
+    resolve, the path is its source below the root's (``source``:
+    ``L.self``, ``L.args.0``; the stack's first entry in a function), and a
+    module outside the root's attributes then has no known eager path:
+    `NoSite`, the call runs eagerly."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return root
-    path, cls = list(stack.values())[-1]
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)   # L['self'].layers[0] -> L.self.layers.0
-    parts = path.split(".")
-    return ".".join(parts[2:]), cls   # below the root (L.self / L.fn)
+        return root[:2]
+    entries = list(stack.values())
+    cls = entries[-1][1]
+    source = root[2] if len(root) > 2 else None
+    module = root[3] if len(root) > 3 else None
+    found = _resolved(entries, module)
+    if found is not None:
+        return found, cls
+    path = _source_path(entries[-1])
+    if source is None:
+        if root[0] == "":         # the compiled module is not known: below L.self / L.fn
+            return ".".join(path.split(".")[2:]), cls
+        source = _source_path(entries[0])    # a compiled function: its root module call
+    if path == source or path.startswith(source + "."):
+        return path[len(source) + 1:], cls
+    raise NoSite(f"fx node {node.name} is in a module ({entries[-1][0]}) that is not reached "
+                 f"through the attributes of the root module ({source}), which eager names "
+                 "its path from")
+
+
+def _resolved(entries, module):
+    """Eager's path of the innermost of ``entries`` below ``module`` (None:
+    a compiled function, whose root is the first entry), from the module
+    objects their sources name in the frame Dynamo compiles; None when a
+    source does not resolve to a module."""
+    from amanda.runtime.pytorch_mode import _module_path as eager_path
+    scope = getattr(_tls, "scope", None)
+    if not scope:
+        return None
+    cache = scope.setdefault("amanda sources", {})
+    chain = [] if module is None else [module]
+    for entry in entries:
+        found = cache.get(entry[0], _UNRESOLVED)
+        if found is _UNRESOLVED:
+            try:
+                found = eval(entry[0], {"__builtins__": {}}, scope)   # noqa: S307 (Dynamo's own source text)
+            except Exception:   # noqa: BLE001 - a source form not known here
+                found = None
+            cache[entry[0]] = found = found if isinstance(found, torch.nn.Module) else None
+        if found is None:
+            return None
+        if not chain or found is not chain[-1]:
+            chain.append(found)
+    return eager_path([weakref.ref(m) for m in chain])
+
+
+_UNRESOLVED = object()
 
 
 #: ``owner`` of a graph Dynamo captured from a function (no module around it).
@@ -136,19 +198,20 @@ _FUNCTION = object()
 
 
 def _root(gm, owner=None):
-    """(path, class) of the compiled module: ("", its class), or (None, None) for a
-    compiled function (its ops are outside any module, as in eager). ``owner`` is
-    the module whose method Dynamo compiles, when known (Dynamo's module stacks
-    start below it)."""
+    """(path, class, source, module) of the compiled module: ("", and
+    `_owner`'s class, source and module), or Nones for a compiled function
+    (its ops are outside any module, as in eager). ``owner`` is `_owner`'s
+    answer for the frame Dynamo compiles, when known (Dynamo's module
+    stacks start below it)."""
     if owner is _FUNCTION:
-        return None, None
+        return None, None, None, None
     if owner is not None:
-        return "", owner
+        return ("", *owner)
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
-            return "", list(stack.values())[0][1]
-    return None, None
+            return "", list(stack.values())[0][1], None, None
+    return None, None, None, None
 
 
 class NoSite(Exception):
@@ -231,9 +294,9 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
 
     Args:
         gm: the ``GraphModule`` Dynamo captured.
-        owner: the class of the module whose method Dynamo compiles (the root of
-            the module paths), `_FUNCTION` for a function, or None (unknown: read
-            from Dynamo's module stacks).
+        owner: (class, source, module) of the module whose method Dynamo
+            compiles (the root of the module paths; `_owner`), `_FUNCTION` for a function, or
+            None (unknown: read from Dynamo's module stacks).
         caller: None for a call outside eager modules, or (eager path of the
             module the compiled code runs in, its earlier calls there in the
             step, whether the compiled callable is that module) for a
@@ -303,7 +366,7 @@ class _Ids:
         self.caller = caller
         self.totals = {}
         if caller is not None:
-            self.root = (caller[0], root[1])
+            self.root = (caller[0],) + tuple(root[1:])
             for node in graph.nodes:     # executions of each key in one call
                 if node.meta.get(META_KEY) not in (None, MACHINERY) and _is_point(node):
                     key = self._key(node, _raw_op(node)[0])
