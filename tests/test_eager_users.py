@@ -271,6 +271,8 @@ def _():
 
 
 NAMES = sorted(SCENARIOS)
+# what amanda says in a scenario (none elsewhere)
+SAID = {"thread_inside_apply": [amanda.NotInstrumentedWarning]}
 # routines under torch.func transforms receive functorch-wrapped tensors
 # (documented); user subclasses are what the program computes
 STRANGE = {"forward_mode_ad": {"functorch"},
@@ -285,7 +287,7 @@ def test_identity_routines_leave_user_code_bit_identical(name, clone):
     said.clear()
     tool = Echo(clone)
     instrumented = _run(build, step, tool)
-    assert said == []
+    assert [type(w.message) for w in said] == SAID.get(name, [])
     assert len(plain) == len(instrumented)
     assert [i for i, (a, b) in enumerate(zip(plain, instrumented)) if not same(a, b)] == []
     assert tool.calls["before"] > 0
@@ -572,3 +574,28 @@ def test_dataloader_workers_forked_inside_apply_run_plain_and_amanda_says_so(tmp
     said_here = [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]
     assert len(said_here) == 1 and "forked" in str(said_here[0].message)
     assert said_here[0].filename == __file__
+
+
+def test_a_module_called_in_a_thread_outside_apply_is_said_to_run_plain():
+    """Scopes are per thread (the contract); before, a model run by another
+    thread while one thread was inside apply got no points, silently."""
+    m = nn.Linear(4, 2)
+    tool = Counter()
+    found = []
+
+    def work():
+        for _ in range(3):
+            found.append(m(torch.ones(1, 4)))      # the user's line, warned once
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amanda.apply(tool):
+            thread = threading.Thread(target=work, name="worker")
+            thread.start()
+            thread.join()
+        work()                                      # no scope anywhere: nothing said
+    said_here = [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]
+    assert len(said_here) == 1 and "'worker'" in str(said_here[0].message)
+    assert said_here[0].filename == __file__
+    assert not tool.executions                      # the thread ran plain PyTorch
+    assert all(torch.equal(out, found[0]) for out in found)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 import warnings
 import weakref
 
@@ -78,6 +79,27 @@ def _named_parents(st, module):
     return [(n, parent) for n, child in parent.named_children() if child is module]
 
 
+#: how many times the module hooks were installed: a thread outside any
+#: scope is warned once per installation (`_warn_other_thread`)
+_SCOPES = [0]
+
+
+def _warn_other_thread(module):
+    """**Rule: a module called in a thread outside any ``apply`` scope
+    while another thread is inside one is said to run uninstrumented.**
+    Scopes are per thread (the contract): the call runs plain PyTorch. The
+    module hooks are global, so they see the call: amanda says so once per
+    thread while the hooks stay installed, rather than count nothing
+    silently."""
+    _tls.outside_warned = _SCOPES[0]
+    warnings.warn(
+        f"amanda: {type(module).__name__} is called in thread "
+        f"{threading.current_thread().name!r}, outside any amanda.apply scope, while "
+        "another thread is inside one: scopes are per thread, so its ops get no "
+        "instrumentation points (enter apply in that thread). See docs/pytorch-eager.md, "
+        "Leaving apply.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+
+
 #: the code of the function inside ``Module._call_impl`` that runs the hooks
 _HOOKS_CODE = next(c for c in torch.nn.Module._call_impl.__code__.co_consts
                    if getattr(c, "co_name", None) == "inner")
@@ -93,6 +115,8 @@ def _module_pre_hook(module, args):
     the block sees the same modules, steps and counts as if it had not run."""
     st = getattr(_tls, "state", None)
     if st is None or not st.depth:
+        if getattr(_tls, "outside_warned", None) != _SCOPES[0]:
+            _warn_other_thread(module)
         return
     if _CONTROLS.disabled:
         if _in_backward() == -1 and _grad_enabled():
@@ -219,6 +243,7 @@ class TorchEagerDriver(Driver):
             st.cache = restored.caches["pytorch"]
 
     def install(self):
+        _SCOPES[0] += 1
         self._handles = [
             _torch_module.register_module_forward_pre_hook(_module_pre_hook),
             _torch_module.register_module_forward_hook(_module_post_hook, always_call=True),
