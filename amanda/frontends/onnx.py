@@ -130,16 +130,34 @@ def load_model(model):
         except Exception as exc:
             raise BackendError(f"the bytes given are not a serialized ONNX model: {exc}") from None
     if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if not os.path.isfile(path):
-            raise BackendError(f"no ONNX model file at {path!r}")
-        try:
-            return onnx.load(path)
-        except Exception as exc:
-            raise BackendError(f"cannot read an ONNX model from {path!r}: "
-                               f"{type(exc).__name__}: {exc}") from None
+        return load_model_file(model)[0]
     raise BackendError(f"cannot lift a {type(model).__name__} as an ONNX model "
                        "(give an onnx.ModelProto, its bytes or a file path)")
+
+
+def load_model_file(path):
+    """``(ModelProto, external)``: the model in the file at ``path`` with its
+    external data files read in (as ``onnx.load`` does), and whether it had
+    any (its tensors then live beside the file, not in it).
+
+    Raises:
+        BackendError: no such file, or it is not a readable model.
+    """
+    onnx = _onnx()
+    from onnx import external_data_helper as external_data
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise BackendError(f"no ONNX model file at {path!r}")
+    try:
+        model = onnx.load(path, load_external_data=False)
+        external = any(external_data.uses_external_data(t)
+                       for t in external_data._get_all_tensors(model))
+        if external:
+            external_data.load_external_data_for_model(model, os.path.dirname(path) or ".")
+    except Exception as exc:
+        raise BackendError(f"cannot read an ONNX model from {path!r}: "
+                           f"{type(exc).__name__}: {exc}") from None
+    return model, external
 
 
 def lift(model, namespace=None, nodes=None):

@@ -331,6 +331,46 @@ def _checked_run(run):
     return checked
 
 
+#: ``InferenceSession`` methods that run the model on the calling thread:
+#: a session that hosts routines raises their errors from each of them.
+CHECKED_RUNS = ("run", "run_with_ort_values", "run_with_iobinding", "run_with_ortvaluevector")
+
+
+def run_methods():
+    """Every ``InferenceSession`` method that runs the model (its name starts
+    with ``run``): `CHECKED_RUNS`, ``run_async`` and any a later onnxruntime
+    adds, which amanda refuses rather than letting it run routines silently."""
+    return sorted(n for n in dir(ort.InferenceSession)
+                  if n.startswith("run") and callable(getattr(ort.InferenceSession, n)))
+
+
+def refused_run(method, why):
+    """A stand-in for ``session.<method>`` that raises a `BackendError`."""
+    def refuse(*args, **kwargs):
+        raise BackendError(f"InferenceSession.{method} cannot run this session's amanda "
+                           f"routines: {why}")
+    refuse.__name__ = method
+    return refuse
+
+
+def checked_session(session):
+    """Make every way of running ``session`` (a session hosting Python
+    routines) raise the routine error its run met, on the calling thread
+    (`_checked_run`); ``run_async`` and run methods amanda does not know are
+    refused: their routines would run on onnxruntime's pool, where an error
+    cannot be told apart from another run's."""
+    for method in run_methods():
+        if method in CHECKED_RUNS:
+            setattr(session, method, _checked_run(getattr(session, method)))
+        else:
+            setattr(session, method, refused_run(
+                method, "its Python routines would run on onnxruntime's thread pool, where "
+                "amanda cannot raise a routine's error from the run that met it (it would "
+                "reach another run, or no one). Use session.run, run_with_ort_values or "
+                "run_with_iobinding"))
+    return session
+
+
 # Options the extensions' library was registered into; kept alive (sessions
 # made with them point into the library's state), registered once each.
 _registered_options = []
@@ -372,5 +412,4 @@ def inference_session(model, sess_options=None, providers=None, **kwargs):
     session = ort.InferenceSession.__new__(ort.InferenceSession)
     _original_init(session, data, session_options(sess_options),
                    providers or ["CPUExecutionProvider"], **kwargs)
-    session.run = _checked_run(session.run)
-    return session
+    return checked_session(session)

@@ -28,7 +28,8 @@ from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_nam
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
 from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
-                                      _catalog, _register_callback)
+                                      _catalog, _register_callback, refused_run,
+                                      run_methods)
 from amanda.runtime.onnx_lowering import _Lowering
 from amanda.runtime.onnx_wire import initializer_views
 
@@ -525,14 +526,6 @@ def _fetching_run_with_ort_values(run, plan):
     return fetching
 
 
-def _no_fetching(method):
-    def refuse(*args, **kwargs):
-        raise BackendError(
-            f"InferenceSession.{method} cannot call amanda's observe-only routines of this "
-            "session: they run after session.run (or run_with_ort_values) on the tensors it "
-            "fetches. Use those, or create the session inside "
-            "amanda.runtime.onnx.hosted_observation() to run the routines inside onnxruntime")
-    return refuse
 
 
 def _fetch_for(session, plan):
@@ -543,8 +536,13 @@ def _fetch_for(session, plan):
     session.run = _fetching_run(session.run, plan)
     session.run_with_ort_values = _fetching_run_with_ort_values(
         session.run_with_ort_values, plan)
-    for method in ("run_with_iobinding", "run_async"):
-        setattr(session, method, _no_fetching(method))
+    for method in run_methods():
+        if method not in ("run", "run_with_ort_values"):
+            setattr(session, method, refused_run(
+                method, "they are called after session.run (or run_with_ort_values) on the "
+                "tensors it fetches. Use those, or create the session inside "
+                "amanda.runtime.onnx.hosted_observation() to run the routines inside "
+                "onnxruntime"))
 
 
 def _fetches(graph):

@@ -22,22 +22,26 @@ import onnxruntime as ort
 
 from amanda import controls
 from amanda.errors import BackendError, NotInstrumentedWarning
-from amanda.frontends.onnx import load_model
+from amanda.frontends.onnx import load_model, load_model_file
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx_bodies import _bodies_host_routines
-from amanda.runtime.onnx_host import _checked_run, _original_init, session_options
+from amanda.runtime.onnx_host import _original_init, checked_session, run_methods, session_options
 from amanda.runtime.onnx_instrument import _instrument
 from amanda.runtime.onnx_lowering import lower
 from amanda.runtime.onnx_observe import _fetch_for, _fetches, _NotSide, _SideBranches
 
 
 def _model_bytes(source):
-    """(bytes, ModelProto or None) of what ``InferenceSession`` was given."""
+    """(bytes, ModelProto or None, whether onnxruntime may read the model
+    from its file) of what ``InferenceSession`` was given."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), None
+        return bytes(source), None, False
     if isinstance(source, (str, os.PathLike)):
-        model = load_model(source)   # with external data, if any
-        return model.SerializeToString(), model
+        model, external = load_model_file(source)   # with external data, if any
+        # onnxruntime saves the model it optimised from a file with external
+        # data pointing at data files beside the saved copy, which do not
+        # exist: such a model is handed to it as bytes (its data read in)
+        return model.SerializeToString(), model, not external
     raise BackendError(f"amanda cannot instrument an InferenceSession created from a "
                        f"{type(source).__name__}")
 
@@ -92,7 +96,7 @@ def _instrumented(session, source):
     """The `_Instrumented` model for ``source``, cached per amanda session by
     the SHA-256 of the model."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
-    data, model = _model_bytes(source)
+    data, model, from_file = _model_bytes(source)
     key = hashlib.sha256(data).hexdigest()
     cache = session.caches.setdefault("onnx", {})
     hit = cache.get(key) if controls.state.cache else None
@@ -110,7 +114,7 @@ def _instrumented(session, source):
         # optimisation level): no copy of the lowered model is kept
         del lowered, data
         hit = _Instrumented(None, True, lowering.inline, (lowering.top, model))
-        if stat is not None:
+        if stat is not None and from_file:
             hit.file = os.fspath(source), stat.st_size, stat.st_mtime_ns
     else:
         del data
@@ -215,7 +219,7 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 "(they are bit-identical at ORT_DISABLE_ALL; routines that only return None "
                 "never change outputs). See docs/onnx.md.", stacklevel=2)
         _original_init(self, hit.data, options, providers, provider_options, **kwargs)
-    self.run = _checked_run(self.run)
+    checked_session(self)
     if plan is not None:
         _fetch_for(self, plan)
 
@@ -223,42 +227,57 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
 _patched_init.__wrapped__ = _original_init
 
 
-_original_run = ort.InferenceSession.run
-_OWN_RUN = ort.InferenceSession.__dict__.get("run")   # None: inherited from Session
+# InferenceSession's own run methods (None: inherited from Session), restored
+# when the last scope closes
+_OWN_RUNS = {name: ort.InferenceSession.__dict__.get(name) for name in run_methods()}
 
 
-def _run_named_if_plain(self, *args, **kwargs):
-    """``InferenceSession.run`` while a scope is open anywhere: a session
-    made before any scope (so never instrumented) and run inside one gets a
-    `NotInstrumentedWarning` once per amanda session, instead of silently
-    running no routine; its results are unchanged."""
-    sessions = controls.state.sessions
-    if (sessions and not controls.state.disabled and not getattr(self, "_amanda_made", False)
-            and getattr(self, "_amanda_warned", None) != id(sessions[-1])):
-        self._amanda_warned = id(sessions[-1])   # not the session itself: nothing kept alive
-        warnings.warn(
-            "amanda: this onnxruntime InferenceSession was created outside amanda.apply, "
-            "so it runs the plain model and its nodes get no instrumentation points; "
-            "create the session inside the scope to instrument it (docs/onnx.md).",
-            NotInstrumentedWarning, stacklevel=2)
-    return _original_run(self, *args, **kwargs)
+def _named_if_plain(method):
+    """``InferenceSession.<method>`` while a scope is open anywhere: a
+    session made before any scope (so never instrumented) and run inside one,
+    by any run method, gets a `NotInstrumentedWarning` once per amanda
+    session, instead of silently running no routine; its results are
+    unchanged."""
+    original = getattr(ort.InferenceSession, method)
+
+    def run(self, *args, **kwargs):
+        sessions = controls.state.sessions
+        if (sessions and not controls.state.disabled
+                and not getattr(self, "_amanda_made", False)
+                and getattr(self, "_amanda_warned", None) != id(sessions[-1])):
+            self._amanda_warned = id(sessions[-1])   # not the session itself: nothing kept
+            warnings.warn(
+                "amanda: this onnxruntime InferenceSession was created outside amanda.apply, "
+                "so it runs the plain model and its nodes get no instrumentation points; "
+                "create the session inside the scope to instrument it (docs/onnx.md).",
+                NotInstrumentedWarning, stacklevel=2)
+        return original(self, *args, **kwargs)
+    run.__name__ = method
+    run.__wrapped__ = original
+    return run
+
+
+_NAMED_RUNS = {name: _named_if_plain(name) for name in _OWN_RUNS}
 
 
 class OnnxRuntimeDriver(Driver):
-    """Patches ``InferenceSession.__init__`` (and ``run``, to name sessions
-    made outside any scope) while any thread is inside ``apply``; the last
-    thread out restores them (the lifecycle: `amanda.runtime.driver.Driver`)."""
+    """Patches ``InferenceSession.__init__`` (and its run methods, to name
+    sessions made outside any scope) while any thread is inside ``apply``;
+    the last thread out restores them (the lifecycle:
+    `amanda.runtime.driver.Driver`)."""
 
     def install(self):
         ort.InferenceSession.__init__ = _patched_init
-        ort.InferenceSession.run = _run_named_if_plain
+        for name, patched in _NAMED_RUNS.items():
+            setattr(ort.InferenceSession, name, patched)
 
     def uninstall(self):
         ort.InferenceSession.__init__ = _original_init
-        if _OWN_RUN is None:
-            del ort.InferenceSession.run     # the base class's again
-        else:
-            ort.InferenceSession.run = _OWN_RUN
+        for name, own in _OWN_RUNS.items():
+            if own is None:
+                delattr(ort.InferenceSession, name)     # the base class's again
+            else:
+                setattr(ort.InferenceSession, name, own)
 
 
 DRIVER = OnnxRuntimeDriver()
