@@ -599,3 +599,30 @@ def test_a_module_called_in_a_thread_outside_apply_is_said_to_run_plain():
     assert said_here[0].filename == __file__
     assert not tool.executions                      # the thread ran plain PyTorch
     assert all(torch.equal(out, found[0]) for out in found)
+
+
+class Ids(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.ids = []
+        self.add_inst_for_op(lambda c: self.ids.append((c.get_op_name(), c.get_op_id())))
+
+
+@pytest.mark.parametrize("inner", [Passing, Dispatching])
+def test_a_user_mode_inside_apply_keeps_the_op_ids_of_the_model(inner):
+    """Before: a user's TorchFunctionMode inside apply made its handler the
+    site of every op it passed on: other ids than without the mode, and the
+    two distinct ``sum`` ops below (two lines) merged into one op, analysed
+    once."""
+    def run(mode):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        tool = Ids()
+        with amanda.apply(tool), mode:
+            x = torch.randn(3, 4)
+            m(x).sum()
+            m(x).mean().sum()
+        return tool.ids
+    plain = run(contextlib.nullcontext())
+    assert len({op_id for _, op_id in plain}) == 7
+    assert run(inner()) == plain

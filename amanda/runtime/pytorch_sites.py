@@ -110,7 +110,14 @@ def _code_kind(code):
             # and the OpOverloads it calls reach amanda's mode in the
             # backward pass, which runs under it; they would be counted
             # as forward ops of the model.
-            kind = _HANDLER if code.co_name == "__torch_dispatch__" else _SITE
+            # **Rule: a ``__torch_function__`` method is no site.** A
+            # user's TorchFunctionMode inside ``apply`` (or a subclass seen
+            # around it) handles the model's call and makes it again: the
+            # site is the model's line above it. As a site, its one line
+            # gave every op it passed on one key: other ids than without
+            # the mode, and distinct ops outside modules merged into one.
+            kind = (_HANDLER if code.co_name == "__torch_dispatch__" else
+                    _LIBRARY if code.co_name == "__torch_function__" else _SITE)
         _CODE_KIND[id(code)] = kind
     return kind
 
