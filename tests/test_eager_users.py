@@ -626,3 +626,28 @@ def test_a_user_mode_inside_apply_keeps_the_op_ids_of_the_model(inner):
     plain = run(contextlib.nullcontext())
     assert len({op_id for _, op_id in plain}) == 7
     assert run(inner()) == plain
+
+
+def test_a_write_through_a_view_of_a_replacement_is_said():
+    """A known limit made loud: torch.autograd.functional.jacobian with
+    ``vectorize=True`` fills its basis with ``chunk.diagonal().fill_(1)``;
+    with routines returning clones, the view is a view of a clone and the
+    write misses ``chunk``: the Jacobian was wrong, silently. Routines that
+    return the tensors they receive keep it right, and nothing is said."""
+    m = nn.Linear(4, 2)
+    x = torch.randn(4)
+
+    def jacobian():
+        return torch.autograd.functional.jacobian(lambda x: m(x).tanh(), x, vectorize=True)
+    plain = jacobian()
+    for clone in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with amanda.apply(Echo(clone)):
+                result = jacobian()
+        said_here = [w for w in caught if issubclass(w.category, amanda.NotBitExactWarning)]
+        if clone:
+            assert len(said_here) == 1 and "view" in str(said_here[0].message)
+            assert said_here[0].filename == __file__
+        else:
+            assert said_here == [] and torch.equal(result, plain)

@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amanda.errors import NotInstrumentedWarning, ToolError, user_stacklevel
+from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, ToolError, user_stacklevel
 from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
 from amanda.runtime.pytorch_records import _OpRecord, _stable_id
 from amanda.runtime.pytorch_routines import (
@@ -389,12 +389,16 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         # Forward "before" actions only, no backward routines, nothing left to
         # analyse: the op is never walked (see _OpRecord.refresh).
         tensors, slots = _flatten(args, kwargs)
+        if tensors and _writes_in_place(record.where[0]):
+            _check_view_write(tensors, record.where)
         originals = list(tensors)
         if not _apply_actions(record.before, tensors, record.where):
             return func(*args, **kwargs)
         swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
         args, kwargs = _rebuild(args, kwargs, slots, tensors)
-        return _write_back(swapped, func(*args, **kwargs), record.where[0])
+        result = _write_back(swapped, func(*args, **kwargs), record.where[0])
+        _mark_viewed(swapped, result)
+        return result
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
@@ -414,6 +418,8 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         finally:
             context._set_values(inputs=None)
         record.pre_done = True
+    if tensors and _writes_in_place(where[0]):
+        _check_view_write(tensors, where)
     swapped = None
     if record.before:
         originals = list(tensors)
@@ -433,6 +439,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         result = func(*args, **kwargs)
         if swapped:
             result = _write_back(swapped, result, where[0])
+            _mark_viewed(swapped, result)
     else:
         result = computed
     outputs = None     # found when something looks at them
@@ -467,12 +474,84 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
                                  result is None, where[0], slots,
                                  _writes_of(func, args, kwargs))
+            _mark_replaced_views(produced, outputs)
             if result is not None:
                 result = _rebuild_outputs(result, outputs)
             if ir_op is not None:
                 trace.alias(outputs, ir_op.outputs)
     record.refresh()
     return result
+
+
+def _mark_viewed(swapped, result):
+    """Mark the replacements the op's result is a view of (``t()``,
+    ``diagonal()``, ``x[0]`` run on a routine's tensor): an in-place write
+    through that view reaches the replacement, not the original (Limits)."""
+    if isinstance(result, _Tensor):
+        outputs = (result,)
+    elif isinstance(result, (list, tuple)):
+        outputs = result
+    else:
+        return
+    for out in outputs:
+        base = out._base if isinstance(out, _Tensor) else None
+        if base is None:
+            continue
+        for entry in swapped:
+            new = entry[1]
+            if base is new or base is new._base:
+                new._amanda_viewed = True
+
+
+def _mark_replaced_views(produced, outputs):
+    """Mark an after-routine's replacement of a view the op returned: the
+    program holds a tensor that no longer aliases the view's base, and an
+    in-place write into it does not reach that base (Limits)."""
+    for old, new in zip(produced, outputs):
+        if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor) \
+                and old._base is not None:
+            new._amanda_viewed = True
+
+
+_IN_PLACE = {}
+
+
+def _writes_in_place(name):
+    flag = _IN_PLACE.get(name)
+    if flag is None:
+        flag = _IN_PLACE[name] = _in_place_name(name) or name == "__setitem__"
+    return flag
+
+
+def _check_view_write(tensors, where):
+    """**Rule: a write through a view of a routine's replacement is said.**
+    A before-routine that replaced the input of a view op with a new tensor
+    made the view alias that tensor, and an after-routine that replaced a
+    view the op returned gave the program a tensor that aliases nothing: an
+    in-place write through the view
+    (``chunk.diagonal().fill_(1)`` in ``torch.autograd.functional.jacobian``
+    with ``vectorize=True``, ``p.detach().copy_(q)``) reaches the
+    replacement, and the original, which the program reads afterwards, keeps
+    its old value. amanda cannot make the write reach the original without
+    writing the routine's value into it; it says so, once per scope, with a
+    ``NotBitExactWarning`` (checked on ops that have points or actions)."""
+    first = tensors[0]
+    if not isinstance(first, _Tensor):
+        return
+    if not getattr(first, "_amanda_viewed", False):
+        base = first._base
+        if base is None or not getattr(base, "_amanda_viewed", False):
+            return
+    st = _state()
+    if "view write" in st.scripted:
+        return
+    st.scripted.add("view write")
+    warnings.warn(
+        f"amanda: {where[0]} writes in place into a view of a tensor that an instrumentation "
+        "routine replaced (the view op ran on the routine's tensor): the write reaches the "
+        "routine's tensor, not the original, so results may differ from a run without "
+        "amanda. Routines that return the tensors they receive avoid this. See "
+        "docs/pytorch-eager.md, Limits.", NotBitExactWarning, stacklevel=user_stacklevel(torch))
 
 
 def _version_of(tensor):
