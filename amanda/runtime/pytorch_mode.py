@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, ToolError, user_stacklevel
+from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, user_stacklevel
 from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
 from amanda.runtime.pytorch_records import _OpRecord, _stable_id
 from amanda.runtime.pytorch_routines import (
