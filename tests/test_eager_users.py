@@ -651,3 +651,27 @@ def test_a_write_through_a_view_of_a_replacement_is_said():
             assert said_here[0].filename == __file__
         else:
             assert said_here == [] and torch.equal(result, plain)
+
+
+class ReplaceSin(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(lambda c: c.get_op_name() == "sin" and c.replace_op(
+            lambda x: x.sin() * 1))
+
+
+def test_replace_op_outputs_have_no_history_in_forward_mode_either():
+    """Under isolation a replace_op's outputs have no autograd history;
+    before, forward mode (jvp, dual tensors) differentiated the routine
+    where reverse mode saw no gradient: jacfwd and jacrev disagreed."""
+    def fn(x):
+        return x.sin().exp()
+
+    x = torch.linspace(0, 1, 3)
+    with amanda.apply(ReplaceSin()):
+        forward = torch.func.jacfwd(fn)(x)
+        reverse = torch.func.jacrev(fn)(x)
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, torch.ones(3)))).tangent
+    assert torch.equal(forward, reverse) and not reverse.any()
+    assert tangent is None or not tangent.any()

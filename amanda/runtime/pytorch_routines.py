@@ -221,8 +221,12 @@ def _replace(action, selected, where):
 
 
 def _run_replacement(action, selected, where):
+    """A ``replace_op`` routine: under autodiff isolation its outputs have
+    no autograd history, in reverse mode (``no_grad``) and in forward mode
+    too (``_set_fwd_grad_enabled(False)``, which ``no_grad`` does not imply:
+    before, ``jvp`` differentiated the routine where ``grad`` saw none)."""
     with controls.muted():
         if action.ad:
             return invoke(action, selected, where)
-        with torch.no_grad():
+        with torch.no_grad(), _fwad._set_fwd_grad_enabled(False):
             return invoke(action, selected, where)
