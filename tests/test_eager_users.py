@@ -254,6 +254,19 @@ def _():
     return lambda: nn.Linear(4, 2), step
 
 
+@scenario("saved_tensors_hooks")
+def _():
+    def step(m):
+        with torch.autograd.graph.save_on_cpu():
+            a = m(torch.randn(3, 4)).tanh()
+            a.sum().backward()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 2, lambda t: t / 2):
+            b = m(torch.randn(3, 4)).sigmoid()
+        b.sum().backward()
+        return [a, b, grads(m)]
+    return lambda: nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)), step
+
+
 @scenario("thread_inside_apply")
 def _():
     def step(m):
