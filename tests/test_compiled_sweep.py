@@ -475,3 +475,26 @@ def test_module_with_two_names_has_eagers_path():
     before = collections.Counter(pytorch_compiled.EAGER_FALLBACKS)
     assert _count(compiled, x, compiled_path=True) == eager
     assert not _new_fallbacks(before)
+
+
+def test_eager_keeps_a_library_forwards_module_on_the_stack():
+    """Eager alone: the op of a module whose ``forward`` is torch library
+    code (weight norm's ``_WeightNorm``, called by the parametrization) is
+    in that module, ``parametrizations.weight.0``. Its site is the
+    ``Module._call_impl`` ``inner`` frame the module's call was recorded
+    with, and the eager runtime took the module for finished (walking the
+    stack from above that frame) and named the op by its parent
+    (``parametrizations.weight``), another id than compiled (Wav2Vec2)."""
+    torch.manual_seed(0)
+    model = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(2, 3, 3))
+    seen = {}
+
+    class Paths(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(lambda c: seen.setdefault(c.get_op_name(), c.get_module_path()))
+
+    with torch.no_grad(), amanda.apply(Paths()):
+        model(torch.rand(1, 2, 8))
+    assert seen["_weight_norm"] == "parametrizations.weight.0"
+    assert seen["conv1d"] == ""

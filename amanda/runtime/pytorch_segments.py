@@ -52,7 +52,10 @@ def _still_running(frame, caller):
     """
     if frame is None:
         return True
-    f = caller.f_back
+    # from ``caller`` itself: a module whose ``forward`` is torch library
+    # code (weight norm's ``_WeightNorm``) has its ops' site in the very
+    # ``Module._call_impl`` ``inner`` frame its call was recorded with
+    f = caller
     while f is not None:
         if f is frame:
             return True
@@ -68,7 +71,7 @@ def _drop_finished(st, caller):
     if len(frames) != len(modules) or _still_running(frames[-1], caller):
         return False
     running = set()
-    f = caller.f_back
+    f = caller
     while f is not None:
         running.add(id(f))
         f = f.f_back
