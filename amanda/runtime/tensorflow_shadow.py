@@ -5,6 +5,7 @@ per-amanda-session cache of copies (`_cached_per_session`, `current_rewrite`).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import numpy as np
@@ -13,7 +14,7 @@ from tensorflow.python.client import session as _tf_session
 from tensorflow.python.util import nest
 
 from amanda import controls
-from amanda.errors import BackendError
+from amanda.errors import BackendError, NotBitExactWarning, user_stacklevel
 from amanda.runtime.tensorflow_hosting import _surface
 from amanda.runtime.tensorflow_probes import _SessionProbe, _original_run
 from amanda.runtime.tensorflow_rewrite import _GraphRewrite
@@ -34,6 +35,9 @@ class _Shadow:
         self.session = None
         self.sync = _VariableSync(self)
         self._elements = {}   # user fetch/feed element -> its counterpart in the copy
+        # (copy version, {(fetch names, fed names): (session-state ops, random ops)})
+        self._state = (None, {})
+        self._warned_random = set()
 
     def refresh(self, feed_dict):
         if self.user_graph.version != self.rewrite.version:
@@ -67,6 +71,7 @@ class _Shadow:
             extra, targets, calls = (observers.plan(
                 self.copy, mapped, frozenset(t.name for t in tensors),
                 frozenset(t.name for t in feeds)) if observers.records else ((), (), ()))
+            self._check_state(mapped, feeds)
             self.sync.writes.ran(mapped)
             with _surface():
                 values = _original_run(self.session, [*mapped, *extra, *targets], feeds or None,
@@ -74,6 +79,44 @@ class _Shadow:
             if calls:   # observe-only routines, after the run (tensorflow_observe)
                 observers.call(calls, values[len(mapped):len(mapped) + len(extra)])
         return handler.build_results(self.user_session, values[:len(tensors)])
+
+    def _check_state(self, elements, feeds):
+        """Refuse a run that would use state the user's session keeps and the
+        copy's session cannot share (an iterator's position, a queue's or
+        table's contents): the copy would start from its own, fresh state,
+        repeating or skipping elements without a word. Warn, once per op
+        set, where stateful random ops run: the copy draws from its own
+        sequence. Only what the run executes counts: ancestors of its
+        fetches, not above a fed tensor (see `session_state_ops`)."""
+        copy = self.copy
+        if self._state[0] != copy.version:
+            self._state = (copy.version, {})
+        key = (tuple(e.name for e in elements), tuple(sorted(t.name for t in feeds)))
+        found = self._state[1].get(key)
+        if found is None:
+            found = self._state[1][key] = session_state_ops(elements, set(key[1]))
+        held, random = found
+        if held:
+            raise BackendError(
+                "amanda cannot run this Session.run instrumented: it executes "
+                f"{', '.join(held)}, whose state (an iterator's position, a queue's or a "
+                "table's contents) lives in your session, and the instrumented copy runs in "
+                "a session of its own that carries over only variables; it would read "
+                "from a fresh iterator, queue or table, repeating or skipping elements. "
+                "Fetch those values under amanda.disabled() and feed them (e.g. "
+                "batch = session.run(next_element) there, then feed_dict={next_element: "
+                "batch}), or use a tf.function. See docs/tensorflow.md")
+        new = [name for name in random if name not in self._warned_random]
+        if new:
+            self._warned_random.update(random)
+            warnings.warn(
+                f"amanda: stateful random ops ({', '.join(new)}) run in amanda's instrumented "
+                "copy of the graph, in a session of its own: they draw from their own "
+                "sequence, which starts afresh in the copy (as in a new session) and does "
+                "not advance the one of your session. Draws differ from a plain run that "
+                "continues your session's sequence; use stateless random ops "
+                "(tf.random.stateless_*) or feed the draws for reproducible values. See "
+                "docs/tensorflow.md", NotBitExactWarning, stacklevel=user_stacklevel(tf))
 
     def _feeds(self, feed_dict):
         """The feeds for the copy, and the user's fed tensors with their
@@ -122,6 +165,45 @@ class _Shadow:
 
     def _feed_key(self, tensor):
         return self.copy.get_tensor_by_name(tensor.name)
+
+
+#: Substrings of the types of ops that make a resource whose state lives in
+#: the session that runs them (iterators, queues, lookup tables,
+#: accumulators, barriers); ``Anonymous*`` ones are made afresh by every run.
+_SESSION_STATE = ("Iterator", "Queue", "HashTable", "Accumulator", "Barrier")
+
+#: Stateful random ops: their kernel keeps a generator per session.
+_RANDOM = frozenset({"RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+                     "TruncatedNormal", "ParameterizedTruncatedNormal", "Multinomial",
+                     "RandomGamma", "RandomPoisson", "RandomPoissonV2", "RandomShuffle",
+                     "RandomCrop"})
+
+
+def _holds_session_state(op):
+    return (not op.type.startswith("Anonymous") and any(k in op.type for k in _SESSION_STATE)
+            and any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.outputs))
+
+
+def session_state_ops(elements, fed):
+    """``(ops holding session state, stateful random ops)``, names sorted,
+    among the ops a run of ``elements`` (tensors and ops of one graph)
+    executes: their ancestors through data and control inputs, not above a
+    tensor named in ``fed``."""
+    held, random = set(), set()
+    seen = set()
+    stack = [e if isinstance(e, tf.Operation) else e.op for e in elements]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in _RANDOM:
+            random.add(op.name)
+        elif _holds_session_state(op):
+            held.add(op.name)
+        stack.extend(t.op for t in op.inputs if t.name not in fed)
+        stack.extend(op.control_inputs)
+    return sorted(held), sorted(random)
 
 
 def _expand_feed(key, value):
