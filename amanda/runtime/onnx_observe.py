@@ -20,7 +20,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from amanda import controls
-from amanda.errors import AmandaError, BackendError
+from amanda.errors import AmandaError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
 from amanda.runtime.routines import _error, returns_only_none

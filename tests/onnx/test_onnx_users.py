@@ -5,7 +5,6 @@ the same code without amanda (bit for bit), with the analysis cache on and
 off, and the user's options as they were afterwards."""
 
 import contextlib
-import os
 import threading
 import warnings
 
@@ -121,6 +120,7 @@ def _ortvaluevector(session, feed):
 
 RUNS = {"run_with_ort_values": _ort_values, "run_with_iobinding": _iobinding,
         "run_with_ortvaluevector": _ortvaluevector}
+assert set(RUNS) == set(CHECKED_RUNS) - {"run"}   # every checked run method is tested
 
 
 # -- bugs found ---------------------------------------------------------------------------
