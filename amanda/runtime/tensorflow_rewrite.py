@@ -635,4 +635,7 @@ class _GraphRewrite:
                               "routines may read such constants but not replace them "
                               "(docs/tensorflow.md)")
         check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
+        # used as a control input: without this TensorFlow logs "Object was
+        # never used" into the user's stderr when the copy is collected
+        getattr(check, "mark_used", lambda: None)()
         tf_op._add_control_input(check)

@@ -174,3 +174,51 @@ def test_run_options_and_run_metadata_trace_the_instrumented_run():
     traced = {node.node_name for dev in metadata.step_stats.dev_stats for node in dev.node_stats}
     assert "relu" in traced
     session.close()
+
+
+@pytest.mark.parametrize("dtype, value", [
+    (tf.int8, np.int8([1, -2, 3])), (tf.uint8, np.uint8([1, 2, 250])),
+    (tf.complex64, np.complex64([1 + 2j, 3, -1j])), (tf.float16, np.float16([1, 2, 3]))])
+def test_identity_routines_on_small_and_complex_dtypes_log_nothing(dtype, value):
+    """Identity routines before and after every op give the plain values.
+    The check amanda adds where a routine sees an integer constant (the
+    axis of `tf.reverse`) made TensorFlow log "Object was never used" into
+    the user's stderr when the copy was collected."""
+    import gc
+    import logging
+
+    class Identity(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.add_inst_for_op(self.analyse)
+
+        def analyse(self, context):
+            context.insert_before_op(self.same)
+            context.insert_after_op(self.same)
+
+        def same(self, *arrays):
+            return arrays if len(arrays) > 1 else (arrays[0] if arrays else None)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(dtype, [3])
+        y = tf.reverse(x, [0]) * x + x
+    session = tf1.Session(graph=graph)
+    expected = session.run(y, {x: value})
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = tf.get_logger()
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with amanda.apply(Identity()):
+                got = session.run(y, {x: value})
+        session.close()
+        del session
+        gc.collect()
+    finally:
+        logger.removeHandler(handler)
+    assert np.array_equal(got, expected)
+    assert not [r for r in records if "never used" in r.getMessage()]
