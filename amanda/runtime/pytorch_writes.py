@@ -1,0 +1,261 @@
+"""PyTorch eager driver: what an op writes, and how routines' replacements
+follow it.
+
+An op that runs on tensors a before-routine replaced may write them (``add_``,
+``out=``, batch norm's running statistics, a fused optimizer's state): the
+write is carried into the originals (`_write_back`). An after-routine's
+replacement of a tensor the op modified is written into it
+(`_write_into_modified`). What an op writes is read from its version
+counters, its name, and its ATen schema (`_writes_of`); writes through a view
+of a replacement are said (`_check_view_write`). Used by the slow path of
+:mod:`amanda.runtime.pytorch_mode`.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+
+from amanda.errors import NotBitExactWarning, user_stacklevel
+from amanda.runtime.pytorch_segments import _state
+from amanda.runtime.pytorch_sites import _Tensor
+
+
+def _mark_viewed(swapped, result):
+    """Mark the replacements the op's result is a view of (``t()``,
+    ``diagonal()``, ``x[0]`` run on a routine's tensor): an in-place write
+    through that view reaches the replacement, not the original (Limits)."""
+    if isinstance(result, _Tensor):
+        outputs = (result,)
+    elif isinstance(result, (list, tuple)):
+        outputs = result
+    else:
+        return
+    for out in outputs:
+        base = out._base if isinstance(out, _Tensor) else None
+        if base is None:
+            continue
+        for entry in swapped:
+            new = entry[1]
+            if base is new or base is new._base:
+                new._amanda_viewed = True
+
+
+def _mark_replaced_views(produced, outputs):
+    """Mark an after-routine's replacement of a view the op returned: the
+    program holds a tensor that no longer aliases the view's base, and an
+    in-place write into it does not reach that base (Limits)."""
+    for old, new in zip(produced, outputs):
+        if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor) \
+                and old._base is not None:
+            new._amanda_viewed = True
+
+
+_IN_PLACE = {}
+
+
+def _writes_in_place(name):
+    flag = _IN_PLACE.get(name)
+    if flag is None:
+        flag = _IN_PLACE[name] = _in_place_name(name) or name == "__setitem__"
+    return flag
+
+
+def _check_view_write(tensors, where):
+    """**Rule: a write through a view of a routine's replacement is said.**
+    A before-routine that replaced the input of a view op with a new tensor
+    made the view alias that tensor, and an after-routine that replaced a
+    view the op returned gave the program a tensor that aliases nothing: an
+    in-place write through the view
+    (``chunk.diagonal().fill_(1)`` in ``torch.autograd.functional.jacobian``
+    with ``vectorize=True``, ``p.detach().copy_(q)``) reaches the
+    replacement, and the original, which the program reads afterwards, keeps
+    its old value. amanda cannot make the write reach the original without
+    writing the routine's value into it; it says so, once per scope, with a
+    ``NotBitExactWarning`` (checked on ops that have points or actions)."""
+    first = tensors[0]
+    if not isinstance(first, _Tensor):
+        return
+    if not getattr(first, "_amanda_viewed", False):
+        base = first._base
+        if base is None or not getattr(base, "_amanda_viewed", False):
+            return
+    st = _state()
+    if "view write" in st.scripted:
+        return
+    st.scripted.add("view write")
+    warnings.warn(
+        f"amanda: {where[0]} writes in place into a view of a tensor that an instrumentation "
+        "routine replaced (the view op ran on the routine's tensor): the write reaches the "
+        "routine's tensor, not the original, so results may differ from a run without "
+        "amanda. Routines that return the tensors they receive avoid this. See "
+        "docs/pytorch-eager.md, Limits.", NotBitExactWarning, stacklevel=user_stacklevel(torch))
+
+
+def _version_of(tensor):
+    """A tensor's version counter; None for an inference tensor, which has
+    none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _in_place_name(name):
+    """Whether an op's name says it modifies its first argument (``add_``,
+    ``__iadd__``): used only where no version counter tells."""
+    return (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__"))
+
+
+def _swapped(originals, tensors, slots, writes):
+    """[original, replacement, the replacement's version, whether the op
+    writes that argument by its declaration (``_writes_of``)] for each
+    tensor a before-routine replaced."""
+    return [[old, new, _version_of(new), bool(writes) and _declared(writes, slot)]
+            for old, new, slot in zip(originals, tensors, slots)
+            if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor)]
+
+
+_BINDINGS = (types.BuiltinFunctionType, types.MethodDescriptorType)
+# func -> the arguments its ATen schema marks as written (``Tensor(a!)``):
+# positions and keyword names, or None when it declares none / has no schema
+_WRITES = {}
+
+
+def _declared_writes(func):
+    """**Rule: an argument the op's schema declares written counts as
+    modified, whether or not its version counter moved.** Most ops bump the
+    version counter of what they write, which is how the rules below see a
+    modification; torch's fused kernels do not (``_fused_adam_``,
+    ``_fused_adamw_``, ``_fused_sgd_`` of ``fused=True`` optimizers, and
+    ``_amp_foreach_non_finite_check_and_unscale_`` of ``GradScaler``), but
+    their ATen schema says which arguments they write. Looked up once per
+    function, by its name among ``torch.ops.aten`` (all overloads)."""
+    try:
+        return _WRITES[func]
+    except KeyError:
+        pass
+    except TypeError:          # an unhashable callable: no schema
+        return None
+    found = set()
+    # only torch's generated bindings take their arguments in the schema's
+    # order; a Python function of the same name (F.batch_norm) need not
+    name = getattr(func, "__name__", None) if isinstance(func, _BINDINGS) else None
+    try:
+        packet = getattr(torch.ops.aten, name) if name else None
+        overloads = packet.overloads() if packet is not None else ()
+        for overload in overloads:
+            for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    found.add(arg.name)
+                    if not arg.kwarg_only:
+                        found.add(i)
+    except Exception:          # noqa: BLE001 - not an ATen op: nothing declared
+        found = set()
+    writes = _WRITES[func] = frozenset(found) or None
+    return writes
+
+
+# Ops that write arguments their schema does not mark, and do not bump
+# their version counters either: batch norm's running statistics (instance
+# norm copies them back with copy_, which does). func -> (the arguments
+# written, and the position, name and default of the flag under which they
+# are written)
+_STATS = frozenset(("running_mean", "running_var"))
+_UNDECLARED = {
+    torch.nn.functional.batch_norm: (_STATS | {1, 2}, 5, "training", False),
+    torch.batch_norm: (_STATS | {3, 4}, 5, "training", None),
+}
+
+
+def _writes_of(func, args, kwargs):
+    """The arguments this call of ``func`` writes by declaration: its
+    schema's (``_declared_writes``), or, for batch norm, its running
+    statistics when the call updates them (in training)."""
+    undeclared = _UNDECLARED.get(func)
+    if undeclared is not None:
+        written, position, name, default = undeclared
+        flag = args[position] if len(args) > position else kwargs.get(name, default)
+        return written if flag else None
+    return _declared_writes(func)
+
+
+def _declared(writes, slot):
+    """Whether the argument at ``slot`` (see ``_flatten``) is declared written."""
+    return slot[0] in writes
+
+
+def _write_back(swapped, result, name):
+    """**Rule: an op that modifies a tensor a before-routine replaced
+    modifies the original.** The op ran on the replacement (``x.add_(1)``,
+    ``out=``, batch norm's running statistics, an optimizer's ``_foreach_*_``
+    on parameters and state): its new value is copied into the original,
+    tracked by autograd where the op would be, and the op's result names the
+    original where it named the replacement — as if the routine's value had
+    been written into the original before the op ran. A leaf that requires
+    grad (a parameter) is written under ``no_grad``: torch refuses in-place
+    writes to one otherwise, so an op that modified it did so under
+    ``no_grad`` itself (``F.embedding``'s ``max_norm`` renormalisation).
+    (A modified original's entry keeps "written" as version:
+    ``_write_into_modified`` reads it.)"""
+    written = {}
+    for entry in swapped:
+        old, new, version, declared = entry
+        if declared:            # declared written (_writes_of)
+            modified = True
+        elif version is None:   # an inference tensor: no version counter
+            modified = _in_place_name(name) and (new is result or result is None)
+        else:
+            modified = new._version != version
+        if modified:
+            if old.is_leaf and old.requires_grad:
+                with torch.no_grad():
+                    old.copy_(new)
+            else:
+                old.copy_(new)
+            written[id(new)] = old
+            entry[2] = "written"
+    if not written:
+        return result
+    if isinstance(result, _Tensor):
+        return written.get(id(result), result)
+    if isinstance(result, (list, tuple)) and not hasattr(result, "_fields"):
+        return type(result)(written.get(id(r), r) if isinstance(r, _Tensor) else r
+                            for r in result)
+    return result
+
+
+def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_none, name,
+                         slots=None, writes=None):
+    """**Rule: an after-routine's replacement of a tensor the op modified
+    (or created as a leaf) is written into it.** An in-place op returns the
+    tensor it modified (one that returns None, ``__setitem__``, has it as its
+    output); a factory op with ``requires_grad=True`` returns a new leaf. The
+    value is written into that tensor under ``no_grad`` and the tensor stays
+    the output, so chained calls (``buf.mul_(m).add_(g)``), every other
+    reference and the leaf's ``.grad`` see the routine's value. An output
+    that merely is an input (``broadcast_tensors`` with nothing to
+    broadcast, ``contiguous()``) was not modified: it is replaced as usual."""
+    modified = set()
+    if returned_none:
+        modified.update(id(t) for t in outputs)
+    for i, (t, version) in enumerate(zip(inputs or (), versions or ())):
+        if version is None:     # an inference tensor: the name tells
+            if i == 0 and _in_place_name(name):
+                modified.add(id(t))
+        elif t._version != version:
+            modified.add(id(t))
+    if writes and inputs:
+        modified.update(id(t) for t, slot in zip(inputs, slots) if _declared(writes, slot))
+    for old, new, state, _ in swapped or ():
+        if state == "written":
+            modified.add(id(old))
+    input_ids = {id(t) for t in inputs or ()}
+    for i, (old, new) in enumerate(zip(produced, outputs)):
+        if new is old or not isinstance(new, _Tensor) or not isinstance(old, _Tensor):
+            continue
+        if id(old) in modified or (old.is_leaf and old.requires_grad
+                                   and id(old) not in input_ids):
+            with torch.no_grad():
+                old.copy_(new)
+            outputs[i] = old
