@@ -9,12 +9,12 @@ import warnings
 import tensorflow as tf
 
 from amanda import portable
-from amanda.errors import AmandaError, BackendError, NotBitExactWarning, NotInstrumentedWarning
+from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning
 from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.routines import call_routine
 from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TWIN, _body_names,
-                                              _called_functions, _gradient_body, _ops_in_bodies,
+                                              _called_functions, _gradient_body,
                                               _prefixed_body, _origin, _warn_xla_compiled,
                                               _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
@@ -22,22 +22,13 @@ from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kep
                                                _user_stacklevel)
 from amanda.runtime.tensorflow_observe import _Observers, _reaches
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
+from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact
 
 
 def _structural_constant(tensor):
     """Whether ``tensor`` is an integer constant of the graph (shapes, axes,
     sizes): its value is part of the graph's structure."""
     return tensor.op.type == "Const" and tensor.dtype.is_integer
-
-
-def _onednn_enabled():
-    """Whether TensorFlow runs oneDNN's kernels (``TF_ENABLE_ONEDNN_OPTS``,
-    read when TensorFlow starts)."""
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):   # a build without the query
-        return True
 
 
 class _BodyRewrite:
@@ -207,7 +198,7 @@ class _GraphRewrite:
             return False
         from amanda.frontends.tensorflow import lift_graph
         ir_graph = lift_graph(self.user_graph, namespace=NAMESPACE, scope=self.scope)
-        self._warn_bodies(ir_graph)
+        warn_bodies(self, ir_graph)
         if self.gradient_of is not None:   # every op is a backward op of a forward body's op
             backend, forward = _gradient_body(ir_graph, self.user_graph, self.gradient_of)
         else:
@@ -220,63 +211,8 @@ class _GraphRewrite:
         self._import_new_ops()
         self._realise(lowered)
         self.version = version
-        self._warn_inexact()
+        warn_inexact(self)
         return True
-
-    def _warn_inexact(self):
-        """Say once that the copy's floats may be computed in another order
-        than the plain graph's (docs/tensorflow.md, Bit-exactness).
-
-        Grappler's arithmetic optimizer re-associates chains of ``Mul``/``Add``
-        and its constant folding folds ``c1 * (c2 * x)``; a hosted routine
-        between two ops of such a chain (even one that returns None) keeps
-        them apart, so the last bits may differ. oneDNN's kernels (on by
-        default on x86) fuse and order some computations (a convolution's
-        backward, batch normalization) differently when routines sit between
-        the ops. Portable routines are TF ops and Grappler sees through them.
-        Nothing is said when the rewrites and oneDNN are off."""
-        if self.warned_exact or not self.hosted or self.rewrites is None:
-            return
-        on = [name for name, enabled in self.rewrites().items() if enabled]
-        onednn = _onednn_enabled()
-        if not on and not onednn:
-            return
-        self.warned_exact = True
-        causes = []
-        if on:
-            causes.append(f"Grappler's {' and '.join(on)} rewrite float expressions of the "
-                          "plain graph that the routines keep apart")
-        if onednn:
-            causes.append("oneDNN's kernels fuse and order some ops (convolution backward, "
-                          "batch normalization) differently when routines sit between them")
-        warnings.warn(
-            "amanda (TensorFlow): Python routines sit between the graph's ops; "
-            f"{'; '.join(causes)}; so outputs may differ from an uninstrumented run in the "
-            "last bits (more where training amplifies rounding, e.g. Adam on a gradient "
-            "that is zero up to rounding), even with routines that return None. They are "
-            "bit-identical with the rewrites off (rewrite_options.arithmetic_optimization / "
-            "constant_folding = OFF in the session config; "
-            "tf.config.optimizer.set_experimental_options({'arithmetic_optimization': "
-            "False, 'constant_folding': False}) for tf.function) and oneDNN off "
-            "(TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported), or with portable "
-            "routines. See docs/tensorflow.md, Bit-exactness.",
-            NotBitExactWarning, stacklevel=_user_stacklevel())
-
-    def _warn_bodies(self, ir_graph):
-        """Say, once per call op, that the ops in its function bodies are not
-        points of their own (docs/tensorflow.md, Limits)."""
-        calls = [(op, count) for op, count in _ops_in_bodies(ir_graph)
-                 if op.name not in self.warned_bodies]
-        if not calls:
-            return
-        self.warned_bodies.update(op.name for op, _ in calls)
-        listed = ", ".join(f"{op.name!r} ({op.type}, {count} ops)" for op, count in calls[:5])
-        more = f" and {len(calls) - 5} more" if len(calls) > 5 else ""
-        warnings.warn(
-            f"amanda (TensorFlow): {sum(c for _, c in calls)} ops inside the function "
-            f"bodies of {len(calls)} call op(s) are not instrumented one by one; only the "
-            f"call ops are points: {listed}{more}. See docs/tensorflow.md, Limits.",
-            NotInstrumentedWarning, stacklevel=_user_stacklevel())
 
     def tensor(self, name):
         """The tensor of the copy that stands for the user's tensor ``name``.
