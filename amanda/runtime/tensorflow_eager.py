@@ -79,6 +79,11 @@ def _in_keras_trainer():
 def _warn_once(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     if graph is not None or controls.state.disabled or not controls.state.sessions:
         return None      # an op added to a graph, or a run amanda is not instrumenting
+    if isinstance(op_type, bytes):
+        # the eager fallback of a generated op (``_execute.execute(b"RestoreV2", ...)``,
+        # e.g. restoring a SavedModel's variables) names the op in bytes: this
+        # callback raised a TypeError into the user's call
+        op_type = op_type.decode("utf-8", "replace")
     if _context.context().has_function(op_type):
         return None      # an eager call of a function: instrumented (tensorflow_functions)
     if _plumbing(op_type) or _in_keras_trainer():
