@@ -476,7 +476,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
                                  result is None, where[0], slots,
                                  _writes_of(func, args, kwargs))
-            _mark_replaced_views(produced, outputs)
+            _mark_replaced_views(produced, outputs, tensors)
             if result is not None:
                 result = _rebuild_outputs(result, outputs)
             if ir_op is not None:

@@ -76,7 +76,12 @@ _LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep
 # layer is identified from within it, never by the line that called the model.
 _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
-_MACHINERY_FILES = (os.path.join(_TORCH_DIR, "utils", "checkpoint.py"),)
+# torch.autograd.graph's own calls (``view_as`` to find a leaf's gradient
+# accumulator for register_multi_grad_hook and GradientEdge, save_on_cpu's
+# copies) are not ops either: a routine's replacement changed the node they
+# were looking for
+_MACHINERY_FILES = (os.path.join(_TORCH_DIR, "utils", "checkpoint.py"),
+                    os.path.join(_TORCH_DIR, "autograd", "graph.py"))
 # torch's tracers and transforms: a torch call they make themselves (a fake
 # copy of a parameter, a batching or functionalization helper) is not an op
 # of the model; the model's own calls have their site below them, in the

@@ -34,22 +34,42 @@ def _mark_viewed(swapped, result):
     else:
         return
     for out in outputs:
-        base = out._base if isinstance(out, _Tensor) else None
-        if base is None:
+        if not isinstance(out, _Tensor):
             continue
+        base = out._base
         for entry in swapped:
             new = entry[1]
-            if base is new or base is new._base:
+            if base is None:
+                # an alias that autograd does not count as a view
+                # (``detach()``): the program's writes into it reach the
+                # replacement only
+                if out is not new and _shares_storage(out, new):
+                    new._amanda_viewed = out._amanda_viewed = True
+            elif base is new or base is new._base:
                 new._amanda_viewed = True
 
 
-def _mark_replaced_views(produced, outputs):
-    """Mark an after-routine's replacement of a view the op returned: the
-    program holds a tensor that no longer aliases the view's base, and an
-    in-place write into it does not reach that base (Limits)."""
+def _shares_storage(a, b):
+    """Whether two tensors alias one storage: also the aliases autograd does
+    not count as views (``detach()`` has no ``_base``)."""
+    try:
+        ptr = a.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == b.untyped_storage().data_ptr() and a.device == b.device
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False     # sparse, nested, functorch-wrapped: no plain storage
+
+
+def _mark_replaced_views(produced, outputs, inputs=()):
+    """Mark an after-routine's replacement of a view the op returned (or of
+    an alias of an input that autograd does not count as a view, such as
+    ``detach()``'s result): the program holds a tensor that no longer
+    aliases the view's base, and an in-place write into it does not reach
+    that base (Limits)."""
     for old, new in zip(produced, outputs):
-        if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor) \
-                and old._base is not None:
+        if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor) and (
+                old._base is not None or any(
+                    t is not old and isinstance(t, _Tensor) and _shares_storage(old, t)
+                    for t in inputs or ())):
             new._amanda_viewed = True
 
 
@@ -208,6 +228,11 @@ def _write_back(swapped, result, name):
         else:
             modified = new._version != version
         if modified:
+            if old.shape != new.shape:
+                # a write that resized its tensor (``resize_``: a quantization
+                # observer's empty ``min_val`` buffer on its first call)
+                with torch.no_grad():
+                    old.resize_(new.shape)
             if old.is_leaf and old.requires_grad:
                 with torch.no_grad():
                     old.copy_(new)
