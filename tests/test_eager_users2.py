@@ -337,9 +337,11 @@ def _():
 
 
 NAMES = sorted(SCENARIOS)
-# what amanda says, with routines returning clones (nothing is said otherwise):
-# AveragedModel writes its average through ``p.detach()`` of a clone
-SAID = {"swa_lr_and_update_bn": [amanda.NotBitExactWarning]}
+# what amanda says (nothing elsewhere): the scripted function's ops are not seen
+SAID = {"jit_script_function_called_from_model": [amanda.NotInstrumentedWarning]}
+# ... and with routines returning clones: AveragedModel writes its average
+# through ``p.detach()`` of a clone
+SAID_CLONES = {"swa_lr_and_update_bn": [amanda.NotBitExactWarning]}
 STRANGE = {}
 
 
@@ -351,9 +353,10 @@ def test_identity_routines_leave_user_code_bit_identical(name, clone):
     said.clear()
     tool = Echo(clone)
     instrumented = _run(build, step, tool)
-    assert [type(w.message) for w in said] == (SAID.get(name, []) if clone else [])
+    assert [type(w.message) for w in said] == SAID.get(name, []) + (
+        SAID_CLONES.get(name, []) if clone else [])
     assert len(plain) == len(instrumented)
-    if name not in SAID or not clone:
+    if name not in SAID_CLONES or not clone:
         assert [i for i, (a, b) in enumerate(zip(plain, instrumented))
                 if not same(a, b)] == []
     assert tool.calls["before"] > 0
@@ -448,3 +451,40 @@ def test_multi_grad_hook_gets_every_gradient_under_replacing_routines():
         instrumented = run()
     assert len(plain) == len(instrumented) == 1
     assert all(b is not None and same(a, b) for a, b in zip(plain[0], instrumented[0]))
+
+
+@torch.jit.script
+def _scripted_swish(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+class _CallsScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _scripted_swish(self.lin(x)).sum(-1)
+
+
+def test_a_torchscript_function_called_by_a_module_is_said():
+    """A ``torch.jit.script``ed function runs its ops in TorchScript, never
+    through ``__torch_function__``: its ``sigmoid`` and ``mul`` (and their
+    backward nodes) had no points, and nothing said so. Now the module whose
+    forward names it gets one NotInstrumentedWarning per scope, at the
+    user's line."""
+    m = _CallsScripted()
+    for _ in range(2):     # once per scope
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with amanda.apply(Counter()):
+                m(torch.randn(3, 4)).sum().backward()
+                m(torch.randn(3, 4)).sum().backward()
+        said_here = [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]
+        assert len(said_here) == 1 and "_scripted_swish" in str(said_here[0].message)
+        assert said_here[0].filename == __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amanda.apply(Counter()):
+            nn.Linear(4, 4)(torch.randn(3, 4))
+    assert not [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]

@@ -50,6 +50,53 @@ def _warn_scripted(st, module):
         "Limits.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
 
 
+# module type -> the TorchScript functions its ``forward`` names (globals
+# and closure variables), found once per type
+_SCRIPT_FUNCTIONS = {}
+
+
+def _script_functions(cls):
+    """**Rule: a TorchScript function a module's forward calls is said.** A
+    ``torch.jit.script``ed function runs its ops in TorchScript's
+    interpreter, which never reaches ``__torch_function__``: the ops it ran
+    (and their backward nodes) had no points and nothing said so. The names
+    ``forward`` reads (its globals and closure variables) are looked at once
+    per module type; a helper called from forward that calls the function
+    itself is not followed."""
+    found = ()
+    try:
+        forward = cls.forward
+        code = forward.__code__
+        scope = forward.__globals__
+        cells = dict(zip(code.co_freevars, forward.__closure__ or ()))
+        values = [scope.get(name) for name in code.co_names]
+        for cell in cells.values():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:        # an empty cell
+                pass
+        found = tuple({id(v): v for v in values
+                       if isinstance(v, torch.jit.ScriptFunction)}.values())
+    except AttributeError:            # no Python forward (a ScriptModule, a builtin)
+        pass
+    _SCRIPT_FUNCTIONS[cls] = found
+    return found
+
+
+def _warn_script_functions(st, module, functions):
+    for function in functions:
+        key = ("script function", id(function))
+        if key in st.scripted:
+            continue
+        st.scripted.add(key)
+        warnings.warn(
+            f"amanda: {type(module).__name__}.forward calls the TorchScript function "
+            f"{getattr(function, 'name', function)!r}; the ops it runs are executed by "
+            "TorchScript, not seen by amanda, and get no instrumentation points (call "
+            "the Python function inside apply instead). See docs/pytorch-eager.md, Limits.",
+            NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+
+
 # torch modules whose forward takes a fused fast path (in eval) only when no
 # torch-function mode is on (torch.overrides.has_torch_function)
 _FAST_PATH = frozenset((torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
@@ -129,6 +176,11 @@ def _module_pre_hook(module, args):
             _compile_eagerly()     # compiled after apply was entered
     if isinstance(module, _SCRIPT_MODULE) and id(module) not in st.scripted:
         _warn_scripted(st, module)
+    functions = _SCRIPT_FUNCTIONS.get(type(module))
+    if functions is None:
+        functions = _script_functions(type(module))
+    if functions:
+        _warn_script_functions(st, module, functions)
     elif type(module) in _FAST_PATH and not module.training \
             and "fast path" not in st.scripted and torch.backends.mha.get_fastpath_enabled():
         _warn_fast_path(st, module)
