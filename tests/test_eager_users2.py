@@ -336,6 +336,60 @@ def _():
     return lambda: nn.Linear(4, 2), step
 
 
+@torch.library.custom_op("amanda_users2::scale", mutates_args=())
+def _scale(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+@_scale.register_fake
+def _(x, k):
+    return torch.empty_like(x)
+
+
+def _scale_setup(ctx, inputs, output):
+    ctx.k = inputs[1]
+
+
+_scale.register_autograd(lambda ctx, g: (g * ctx.k, None), setup_context=_scale_setup)
+
+
+@torch.library.custom_op("amanda_users2::add_one_", mutates_args=("x",))
+def _add_one_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+_LIBRARY = torch.library.Library("amanda_users2b", "DEF")
+_LIBRARY.define("twice(Tensor x) -> Tensor")
+_LIBRARY.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+
+
+@scenario("user_ops_custom_op_and_library")
+def _():
+    def step(m):
+        h = _scale(m(torch.randn(3, 4)), 3.0)
+        t = torch.ops.amanda_users2b.twice(h)
+        buf = torch.zeros(3, 4)
+        _add_one_(buf)
+        torch.ops.amanda_users2.add_one_(buf)
+        t.sum().backward()
+        return [h, t, buf, grads(m)]
+    return lambda: nn.Linear(4, 4), step
+
+
+@scenario("default_device_set_inside")
+def _():
+    def step(m):
+        torch.set_default_device("cpu")     # a TorchFunctionMode of torch's
+        try:
+            z = torch.zeros(3) + torch.arange(3.0)
+            out = m(torch.randn(2, 4))
+        finally:
+            torch.set_default_device(None)
+        out.sum().backward()
+        return [z, out, grads(m)]
+    return lambda: nn.Linear(4, 2), step
+
+
 NAMES = sorted(SCENARIOS)
 # what amanda says (nothing elsewhere): the scripted function's ops are not seen
 SAID = {"jit_script_function_called_from_model": [amanda.NotInstrumentedWarning]}
