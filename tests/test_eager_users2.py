@@ -229,6 +229,26 @@ def _():
     return lambda: nn.Linear(4, 4), step
 
 
+@scenario("autograd_graph_mutation_edges_disabled_hooks")
+def _():
+    def step(m):
+        x = torch.randn(3, 4, requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            h = m(x)
+            s = h.sin()
+            h.mul_(2)           # sin saved h: torch keeps a copy
+            s.sum().backward()
+        first = x.grad.clone()
+        h2 = m(x)
+        edge = torch.autograd.graph.get_gradient_edge(h2)
+        gh, = torch.autograd.grad(h2.tanh().sum(), edge)
+        with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+            out = m(x).relu().sum()
+        out.backward()
+        return [s, h, first, gh, out, x.grad, grads(m)]
+    return lambda: nn.Linear(4, 4), step
+
+
 @scenario("qat_fake_quant_and_fusion")
 def _():
     def build():
