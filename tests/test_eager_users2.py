@@ -12,6 +12,7 @@ failed before the fix they name.
 """
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -247,6 +248,48 @@ def _():
         out.backward()
         return [s, h, first, gh, out, x.grad, grads(m)]
     return lambda: nn.Linear(4, 4), step
+
+
+@scenario("optimizer_step_in_post_accumulate_hook")
+def _():
+    def build():
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        return m, {p: torch.optim.Adam([p], lr=0.1, foreach=False) for p in m.parameters()}
+
+    def step(objects):
+        m, optimizers = objects
+
+        def hook(p):           # the optimizer steps inside backward
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in m.parameters()]
+        outs = []
+        for _ in range(2):
+            out = m(torch.randn(3, 4))
+            out.pow(2).sum().backward()
+            outs.append(out)
+        for handle in handles:
+            handle.remove()
+        return outs + list(m.parameters()) + [o.state_dict()["state"]
+                                              for o in optimizers.values()]
+    return build, step
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op == torch.ops.aten.mm.default else policy.PREFER_RECOMPUTE
+
+
+@scenario("selective_checkpoint_context_fn")
+def _():
+    def step(m):
+        x = torch.randn(3, 4, requires_grad=True)
+        out = checkpoint(m, x, use_reentrant=False, context_fn=functools.partial(
+            torch.utils.checkpoint.create_selective_checkpoint_contexts, _save_matmuls))
+        out.sum().backward()
+        return [out, x.grad, grads(m)]
+    return lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.3),
+                                 nn.Linear(8, 2)), step
 
 
 @scenario("qat_fake_quant_and_fusion")
