@@ -292,6 +292,36 @@ def _():
                                  nn.Linear(8, 2)), step
 
 
+class _Split(torch.autograd.Function):
+    """Unmaterialised (None) gradients and a non-differentiable output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        idx = x.argmax(-1)
+        ctx.mark_non_differentiable(idx)
+        return x * 2, x.sin(), idx
+
+    @staticmethod
+    def backward(ctx, ga, gb, gi):
+        return None if ga is None else ga * 2
+
+
+@scenario("unmaterialised_grads_batched_grads_hvp")
+def _():
+    def step(m):
+        x = torch.randn(3, 4, requires_grad=True)
+        a, _, i = _Split.apply(m(x))
+        a.sum().backward()
+        y = m(x).tanh()
+        jac, = torch.autograd.grad(y, x, torch.eye(12).reshape(12, 3, 4),
+                                   is_grads_batched=True)
+        hvp = torch.autograd.functional.hvp(lambda z: m(z).pow(3).sum(), x.detach(),
+                                            torch.ones(3, 4))
+        return [a, i, x.grad, jac, hvp, grads(m)]
+    return lambda: nn.Linear(4, 4), step
+
+
 @scenario("qat_fake_quant_and_fusion")
 def _():
     def build():
