@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from amanda import controls
 from amanda.errors import AmandaError
@@ -370,11 +371,12 @@ class _FetchPlan:
         outputs: the names of the model's own outputs.
     """
 
-    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed")
+    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own")
 
     def __init__(self, fetched, proto, outputs):
         self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
         self.outputs = list(outputs)
+        self._own = frozenset(self.outputs)
         self.inputs = {i.name for i in proto.input}
         wanted = {n for _, names in fetched for n in names}
         # filled by `bind` once the model is serialized
@@ -404,6 +406,12 @@ class _FetchPlan:
         if not output_names:
             output_names = self.outputs
         names = list(output_names)
+        for name in names:
+            if name not in self._own:
+                # the session has amanda's extra outputs too: a name among them
+                # was fetched without a word, where the plain session refuses it
+                raise InvalidArgument(
+                    f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Invalid output name:{name}")
         asked = set(names)
         names.extend(n for n in self.extra if n not in asked)
         return names, len(output_names)
