@@ -635,3 +635,29 @@ def test_a_torchscript_function_called_by_a_module_is_said():
         with amanda.apply(Counter()):
             nn.Linear(4, 4)(torch.randn(3, 4))
     assert not [w for w in caught if issubclass(w.category, amanda.NotInstrumentedWarning)]
+
+
+class _CloneDetached(amanda.Tool):
+    """Replaces what ``detach`` returns by a clone."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self._fwd)
+
+    def _fwd(self, context):
+        if context.get_op_name() == "detach":
+            context.insert_after_op(lambda t: t.clone())
+
+
+def test_a_foreach_write_into_a_later_replaced_alias_is_said():
+    """A ``_foreach_*_`` op writes every tensor of its first list; only the
+    first one was checked for being a replaced view, so a write missing the
+    second tensor's original went unsaid."""
+    a, b = torch.zeros(3), torch.zeros(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amanda.apply(_CloneDetached()):
+            torch._foreach_add_([a, b.detach()], 1.0)
+    assert not b.any()       # the write reached the clone (the limit said)
+    said_here = [w for w in caught if issubclass(w.category, amanda.NotBitExactWarning)]
+    assert len(said_here) == 1 and "view" in str(said_here[0].message)

@@ -392,7 +392,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         # analyse: the op is never walked (see _OpRecord.refresh).
         tensors, slots = _flatten(args, kwargs)
         if tensors and _writes_in_place(record.where[0]):
-            _check_view_write(tensors, record.where)
+            _check_view_write(tensors, record.where, args)
         originals = list(tensors)
         if not _apply_actions(record.before, tensors, record.where):
             return func(*args, **kwargs)
@@ -421,7 +421,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
             context._set_values(inputs=None)
         record.pre_done = True
     if tensors and _writes_in_place(where[0]):
-        _check_view_write(tensors, where)
+        _check_view_write(tensors, where, args)
     swapped = None
     if record.before:
         originals = list(tensors)

@@ -83,7 +83,16 @@ def _writes_in_place(name):
     return flag
 
 
-def _check_view_write(tensors, where):
+def _viewed(tensor):
+    if not isinstance(tensor, _Tensor):
+        return False
+    if getattr(tensor, "_amanda_viewed", False):
+        return True
+    base = tensor._base
+    return base is not None and getattr(base, "_amanda_viewed", False)
+
+
+def _check_view_write(tensors, where, args=()):
     """**Rule: a write through a view of a routine's replacement is said.**
     A before-routine that replaced the input of a view op with a new tensor
     made the view alias that tensor, and an after-routine that replaced a
@@ -94,14 +103,13 @@ def _check_view_write(tensors, where):
     replacement, and the original, which the program reads afterwards, keeps
     its old value. amanda cannot make the write reach the original without
     writing the routine's value into it; it says so, once per scope, with a
-    ``NotBitExactWarning`` (checked on ops that have points or actions)."""
-    first = tensors[0]
-    if not isinstance(first, _Tensor):
+    ``NotBitExactWarning`` (checked on ops that have points or actions).
+    The tensors written are the first argument, or every tensor of it where
+    it is a list (``_foreach_*_``)."""
+    first = args[0] if args else None
+    written = first if isinstance(first, (list, tuple)) else tensors[:1]
+    if not any(_viewed(t) for t in written):
         return
-    if not getattr(first, "_amanda_viewed", False):
-        base = first._base
-        if base is None or not getattr(base, "_amanda_viewed", False):
-            return
     st = _state()
     if "view write" in st.scripted:
         return
