@@ -300,3 +300,54 @@ def test_session_graphs(name):
         return got
 
     assert _by_difference(program) > 0
+
+
+# -- amanda's tools against TensorFlow's own answer ----------------------------------------
+
+
+def test_nan_check_beside_enable_check_numerics_names_the_same_op():
+    from amanda.tools.debugging import NanDetector
+
+    tf.debugging.enable_check_numerics()
+    try:
+        @tf.function
+        def program(a):
+            return tf.reduce_sum(tf.math.log(a, name="the_log") * 2.0)
+
+        tool = NanDetector()
+        with amanda.apply(tool):
+            assert np.isfinite(program(tf.constant([1.0, 2.0])).numpy())
+            assert tool.report is None
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match="the_log/CheckNumericsV2") as raised:
+                program(tf.constant([1.0, 0.0]))
+        assert 'graph op "Log"' in str(raised.value)
+        assert tool.report.op_id == "the_log" and not tool.report.backward
+    finally:
+        tf.debugging.disable_check_numerics()
+
+
+def test_flops_of_products_and_convolutions_equal_the_tf_profilers():
+    from amanda.tools.flops import FlopsProfiler
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [8, 16], name="x")
+        w = tf1.get_variable("w", initializer=tf.ones((16, 4)), use_resource=True)
+        image = tf1.placeholder(tf.float32, [2, 8, 8, 3], name="image")
+        kernel = tf1.get_variable("k", initializer=tf.ones((3, 3, 3, 5)), use_resource=True)
+        y = (tf.reduce_sum(tf.matmul(x, w, name="product"))
+             + tf.reduce_sum(tf.nn.conv2d(image, kernel, 1, "SAME", name="conv")))
+        options = tf1.profiler.ProfileOptionBuilder.float_operation()
+        options["output"] = "none"
+        theirs = {node.name: node.float_ops
+                  for node in tf1.profiler.profile(graph, options=options).children}
+    tool = FlopsProfiler()
+    with tf1.Session(graph=graph) as session:
+        session.run(tf1.global_variables_initializer())
+        with amanda.apply(tool):
+            session.run(y, {x: np.ones((8, 16), np.float32),
+                            image: np.ones((2, 8, 8, 3), np.float32)})
+    ours = {op: record["flops"] for (_, op), record in tool.records.items()}
+    assert ours["product"] == theirs["product"] > 0
+    assert ours["conv"] == theirs["conv"] > 0
