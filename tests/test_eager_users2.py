@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 from torch.utils.checkpoint import checkpoint
 
 import amanda
@@ -54,6 +54,25 @@ def _():
         loss = padded.sum() + h.sum() + c.sum() + g.sum() + r.sum()
         loss.backward()
         return [padded, h, c, g, r, [grads(m) for m in ms]]
+    return build, step
+
+
+@scenario("lstm_dropout_bidirectional_gru_pack_sequence")
+def _():
+    def build():
+        return nn.ModuleList([nn.LSTM(4, 6, num_layers=3, dropout=0.5, bidirectional=True),
+                              nn.GRU(4, 5, batch_first=True)])
+
+    def step(ms):
+        lstm, gru = ms
+        lstm.flatten_parameters()
+        out, (h, c) = lstm(torch.randn(5, 2, 4))     # dropout inside the fused op
+        packed = pack_sequence([torch.randn(4, 4), torch.randn(2, 4), torch.randn(3, 4)],
+                               enforce_sorted=False)
+        g, hn = gru(packed, torch.randn(1, 3, 5))
+        gp, lengths = pad_packed_sequence(g, batch_first=True)
+        (out.sum() + h.sum() + gp.sum() + hn.sum()).backward()
+        return [out, h, c, gp, lengths, hn, [grads(m) for m in ms]]
     return build, step
 
 
