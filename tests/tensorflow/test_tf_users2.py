@@ -147,6 +147,35 @@ def test_restoring_a_saved_model_inside_apply_is_named_at_the_users_line(tmp_pat
 # -- scenarios that work: real APIs the suite does not touch elsewhere -------------------
 
 
+def test_a_tf1_saved_model_written_and_loaded_in_sessions_inside_apply(tmp_path):
+    """tf.compat.v1.saved_model.simple_save from a trained session and
+    loader.load into a fresh one, both inside apply."""
+    paths = iter(range(100))
+
+    def program(scope):
+        path = str(tmp_path / f"m{next(paths)}")
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf1.placeholder(tf.float32, [None, 3], name="x")
+            w = tf1.get_variable("w", initializer=tf.ones((3, 2)), use_resource=True)
+            y = tf.matmul(x, w, name="y")
+            train = tf1.train.GradientDescentOptimizer(0.01).minimize(tf.reduce_sum(y * y))
+            init = tf1.global_variables_initializer()
+        with tf1.Session(graph=graph) as session:
+            session.run(init)
+            with scope(True):
+                session.run(train, {x: X})
+                tf1.saved_model.simple_save(session, path, {"x": x}, {"y": y})
+                got = [session.run(w), session.run(y, {x: X})]
+        with tf1.Session(graph=tf.Graph()) as session, scope(True):
+            tf1.saved_model.loader.load(session, ["serve"], path)
+            got.append(session.run("y:0", {"x:0": X}))
+        return got
+
+    assert _by_difference(program) > 0
+
+
+
 def _variable_on_first_call(scope):
     class Lazy(tf.Module):
         def __init__(self):
