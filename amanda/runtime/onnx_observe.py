@@ -371,7 +371,8 @@ class _FetchPlan:
         outputs: the names of the model's own outputs.
     """
 
-    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own")
+    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
+                 "_fed_types")
 
     def __init__(self, fetched, proto, outputs):
         self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
@@ -387,6 +388,7 @@ class _FetchPlan:
                 self.extra.append(name)
         # graph inputs the routines read (taken from the feed at each run)
         self._fed = [n for n in dict.fromkeys(wanted) if n in self.inputs]
+        self._fed_types = {i.name: _element_type(i) for i in proto.input if i.name in wanted}
         self._steps = [_step(callback, names) for callback, names in self.calls]
 
     def bind(self, data, proto):
@@ -408,8 +410,7 @@ class _FetchPlan:
         names = list(output_names)
         for name in names:
             if name not in self._own:
-                # the session has amanda's extra outputs too: a name among them
-                # was fetched without a word, where the plain session refuses it
+                # one of amanda's extra outputs was answered: refuse it as plain does
                 raise InvalidArgument(
                     f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Invalid output name:{name}")
         asked = set(names)
@@ -451,9 +452,20 @@ class _FetchPlan:
                 value = feed.get(name)
                 if isinstance(value, ort.OrtValue):
                     value = value.numpy()
+                elif value is not None and not isinstance(value, np.ndarray):
+                    # as onnxruntime does (a list of floats was seen as float64)
+                    value = np.asarray(value, self._fed_types.get(name))
             if value is not None:
                 views[name] = _read_only(value)
         return views
+
+
+def _element_type(value_info):
+    """The NumPy dtype of a tensor input; None where it has none."""
+    try:   # elem_type is 0 (undefined) for a non-tensor input
+        return onnx.helper.tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type)
+    except (KeyError, ValueError):
+        return None
 
 
 def _drop_unread_initializers(proto, names):
@@ -532,8 +544,6 @@ def _fetching_run_with_ort_values(run, plan):
         return results[:asked]
     fetching.__wrapped__ = run
     return fetching
-
-
 
 
 def _fetch_for(session, plan):

@@ -87,6 +87,22 @@ def test_a_fetching_session_refuses_a_name_that_is_not_an_output_like_a_plain_on
     assert _same(calls(session, ["z", "y"]), plain.run(["z", "y"], feed))
 
 
+@pytest.mark.parametrize("how", ["fetched", "hosted"])
+def test_a_list_fed_reaches_the_routines_as_the_array_onnxruntime_made_of_it(how):
+    """onnxruntime makes an array of the input's element type from a list
+    it is fed. An observing session's routines got the list as NumPy makes
+    it, float64: another dtype and other values than the node computed with
+    (0.1 as a double, not the float32 the model read)."""
+    source = _model().SerializeToString()
+    values = (np.arange(12).reshape(3, 4) / 10).tolist()
+    expected = ort.InferenceSession(source).run(None, {"x": np.asarray(values, np.float32)})
+    tool = Record()
+    session = _session(source, tool, how)
+    assert _same(session.run(None, {"x": values}), expected)
+    seen = tool.calls[0][1][0]
+    assert seen.dtype == np.float32 and np.array_equal(seen, np.asarray(values, np.float32))
+
+
 # -- scenarios that work: real APIs the suite does not touch elsewhere -------------------
 
 
