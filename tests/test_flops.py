@@ -50,15 +50,63 @@ def test_linear_counts_per_execution_and_reports():
     assert "linear" in profiler.table() and "total" in profiler.table()
 
 
-def test_backward_is_twice_forward_for_conv_and_linear(cnn):
+def backward_reference(loss):
+    """FlopCounterMode's count of ``loss.backward()`` alone (its convolution
+    and matrix-product gradients: torch computes those some input needs)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def test_backward_matches_flop_counter_mode(cnn):
+    """Each operand gradient of a convolution or matrix product costs the
+    forward FLOPs, and autograd computes only those some input needs: the
+    first convolution (its input needs no gradient) is charged once, the
+    others twice, as torch's own counter charges them."""
     x = torch.rand(2, 3, 32, 32)
     profiler = FlopsProfiler()
     with amanda.apply(profiler):
-        cnn(x).sum().backward()
+        loss = cnn(x).sum()
+        expected = backward_reference(loss)
     forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
     assert forward["conv2d"] > 0 and forward["linear"] > 0
-    assert backward == {"conv2d": 2 * forward["conv2d"], "linear": 2 * forward["linear"]}
+    assert sum(backward.values()) == expected
+    assert forward["conv2d"] < backward["conv2d"] < 2 * forward["conv2d"]
+    assert backward["linear"] == 2 * forward["linear"]
     assert profiler.total() == profiler.total("forward") + profiler.total("backward")
+
+
+def test_backward_follows_which_gradients_each_step_needs():
+    """A weight frozen, then an input that needs a gradient, at one call
+    site: each step's backward count is torch's for that step, on a cache
+    hit as without the cache."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4),
+                                torch.nn.Unflatten(1, (1, 4)), torch.nn.Conv1d(1, 2, 3))
+
+    def steps(profiler, *contexts):
+        import contextlib
+        counts, expected = [], []
+        for p in model.parameters():
+            p.requires_grad_(True)
+        with amanda.apply(profiler), contextlib.ExitStack() as stack:
+            for c in contexts:
+                stack.enter_context(c)
+            for step in range(3):
+                if step == 1:
+                    model[2].weight.requires_grad_(False)
+                    model[4].weight.requires_grad_(False)
+                x = torch.rand(5, 8, requires_grad=step == 2)
+                before = profiler.total("backward")
+                loss = model(x).sum()
+                expected.append(backward_reference(loss))
+                counts.append(profiler.total("backward") - before)
+        return counts, expected
+
+    counts, expected = steps(FlopsProfiler())
+    assert counts == expected and len(set(expected)) == 3
+    assert steps(FlopsProfiler(), amanda.cache_disabled()) == (counts, expected)
 
 
 def test_unknown_ops_are_listed_not_zero():
@@ -147,11 +195,12 @@ def test_backward_counts_are_never_stale_when_shapes_change():
 
     cached = FlopsProfiler()
     steps(cached)
-    # backward = 2x forward for convolutions and matrix products
-    assert cached.by_type("backward") == {"conv2d": 2 * 2 * conv, "linear": 2 * 2 * linear}
+    # each computed operand gradient = forward: the convolution's input needs
+    # none (it is the first layer), so it is charged once, the linear twice
+    assert cached.by_type("backward") == {"conv2d": 2 * conv, "linear": 2 * 2 * linear}
     assert cached.unknown["conv2d backward (shape changed)"] == 1
     assert cached.unknown["linear backward (shape changed)"] == 1
     fresh = FlopsProfiler()
     steps(fresh, amanda.cache_disabled())
-    assert fresh.by_type("backward") == {"conv2d": 2 * 5 * conv, "linear": 2 * 5 * linear}
+    assert fresh.by_type("backward") == {"conv2d": 5 * conv, "linear": 2 * 5 * linear}
     assert not fresh.unknown

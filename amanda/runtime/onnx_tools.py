@@ -9,7 +9,7 @@ Importing this module imports neither onnx nor onnxruntime.
 from __future__ import annotations
 
 __all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
-           "attrs_for_new_op", "backward_flop_factor", "current_run", "hosted",
+           "attrs_for_new_op", "backward_flop_factor", "backward_flop_operands", "current_run", "hosted",
            "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
            "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
            "stable_op_id", "static_shape", "tensor_values", "trainable_parameters"]
@@ -161,6 +161,11 @@ MODULE_PATH_SEPARATOR = "."
 def backward_flop_factor(backward_op):
     """0: ONNX graphs are inference graphs, without backward ops."""
     return 0
+
+
+def backward_flop_operands(backward_op):
+    """None: ONNX graphs have no backward ops."""
+    return None
 
 
 def trainable_parameters(inputs):

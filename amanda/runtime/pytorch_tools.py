@@ -13,7 +13,7 @@ import io
 import sys
 
 __all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "as_tensor_like",
-           "backward_flop_factor", "call_argument", "call_arguments", "call_attrs",
+           "backward_flop_factor", "backward_flop_operands", "call_argument", "call_arguments", "call_attrs",
            "export_onnx", "has_nonfinite", "is_tensor", "is_weight_input",
            "is_whole_graph", "kernel_profiler", "module_path_from_op", "no_grad",
            "stable_op_id", "tensor_stats", "trainable_parameters"]
@@ -197,6 +197,27 @@ MODULE_PATH_SEPARATOR = "."
 _BACKWARD_FLOP_FACTORS = {"ConvolutionBackward0": 2, "AddmmBackward0": 2, "MmBackward0": 2,
                           "BmmBackward0": 2, "BaddbmmBackward0": 2, "LinearBackward0": 2,
                           "MvBackward0": 2, "ConvolutionBackwardBackward0": 2}
+
+
+#: backward node -> the positions of its gradients (its next edges) that are
+#: products as costly as the forward op: the gradient of each operand of a
+#: convolution or matrix product. torch computes only the gradients some
+#: input needs (``output_mask``): the first layer of a network (whose input
+#: needs no gradient), a frozen weight.
+_BACKWARD_FLOP_OPERANDS = {"ConvolutionBackward0": (0, 1), "AddmmBackward0": (1, 2),
+                           "MmBackward0": (0, 1), "BmmBackward0": (0, 1),
+                           "BaddbmmBackward0": (1, 2), "LinearBackward0": (0, 1),
+                           "MvBackward0": (0, 1)}
+
+
+def backward_flop_operands(backward_op):
+    """The positions of the backward op's gradients (``grad_inputs``) that
+    each cost the forward op's FLOPs when they are computed (None where a
+    gradient is not computed); None: charge ``backward_flop_factor`` at
+    every execution."""
+    return _BACKWARD_FLOP_OPERANDS.get(type(backward_op).__name__,
+                                       _BACKWARD_FLOP_OPERANDS.get(
+                                           getattr(backward_op, "__name__", ""), None))
 
 
 def backward_flop_factor(backward_op):

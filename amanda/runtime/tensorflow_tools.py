@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
-           "backward_flop_factor", "frozen_graph_def", "is_weight_input",
+           "backward_flop_factor", "backward_flop_operands", "frozen_graph_def", "is_weight_input",
            "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
            "tf2onnx_converter", "trainable_parameters"]
 
@@ -79,6 +79,12 @@ def backward_flop_factor(backward_op):
     """How many forward-FLOPs of its op a gradient ``tf.Operation`` is
     charged; 0 when it is not one of those counted."""
     return _BACKWARD_FLOP_FACTORS.get(getattr(backward_op, "type", None), 0)
+
+
+def backward_flop_operands(backward_op):
+    """None: each TF gradient op computes one gradient, and TensorFlow runs
+    only those a fetch needs (``backward_flop_factor`` per op)."""
+    return None
 
 
 def trainable_parameters(inputs):

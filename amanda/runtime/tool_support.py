@@ -20,6 +20,10 @@ Every support module exposes:
 * ``stable_op_id(op)``: the id ``context.get_op_id()`` gives the IR op;
 * ``backward_flop_factor(backward_op)`` -> int: forward-FLOPs a backward op
   is charged (0: not counted);
+* ``backward_flop_operands(backward_op)`` -> tuple or None: the positions of
+  the backward op's gradients that each cost the forward op's FLOPs when
+  computed (PyTorch: a product's operands, of which autograd computes only
+  those some input needs); None: the fixed factor applies;
 * ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
   inputs that are trainable parameters;
 * ``is_weight_input(tensor)`` -> bool: whether a lifted graph's input is a

@@ -112,6 +112,7 @@ class FlopsProfiler(amanda.Tool):
         self._modules = {}    # module -> {"params": {key: numel}, "shape", "last"}
         self._analysed = 0    # forward ops analysed so far (orders the modules' outputs)
         self._pending = {}    # key -> input shapes stashed before the op ran
+        self._skip = set()     # backward ops whose incoming gradient changed shape, this execution
         self.add_inst_for_op(self.forward_analysis, require_outputs=True)
         if backward:
             self.add_inst_for_op(self.backward_analysis, backward=True)
@@ -165,6 +166,20 @@ class FlopsProfiler(amanda.Tool):
         if not factor:
             return
         module, shape = context.get("flops_module"), context.get("flops_shape")
+        operands = support.backward_flop_operands(context.get_backward_op())
+        if operands is not None:
+            # charged per operand gradient autograd computes (None where
+            # no input needs it: a first layer, a frozen weight), read at
+            # every execution
+            key = (context.namespace, context.get_op_id(), str(context.get_backward_op_id()))
+            if shape is not None:
+                context.insert_before_backward_op(self._check_backward, grad_outputs=[0],
+                                                  key=key, op_type=op_type,
+                                                  numel=_numel(shape))
+            context.insert_after_backward_op(self._count_operands, grad_inputs=list(operands),
+                                             key=key if shape is not None else None,
+                                             op_type=op_type, module=module, flops=flops)
+            return
         if shape is not None:
             # the incoming gradient has the forward output's size: checked
             # like the forward count (PyTorch only, a reference, no copy)
@@ -234,6 +249,19 @@ class FlopsProfiler(amanda.Tool):
             return
         self._flops["backward"][op_type] += flops
         self._by_module["backward"][module] += flops
+
+    def _check_backward(self, grad, key, op_type, numel):
+        if grad is not None and grad.numel() != numel:
+            self.unknown[f"{op_type} backward (shape changed)"] += 1
+            self._skip.add(key)
+
+    def _count_operands(self, *grads, key, op_type, module, flops):
+        if key is not None and key in self._skip:
+            self._skip.discard(key)
+            return
+        computed = sum(g is not None for g in grads)
+        self._flops["backward"][op_type] += computed * flops
+        self._by_module["backward"][module] += computed * flops
 
     def _count_unknown(self, *tensors, label):
         self.unknown[label] += 1
