@@ -169,3 +169,48 @@ def test_bert_nan_in_layer3_query_weight():
     assert report.op_name == "linear"
     assert report.module_path == "encoder.layer.3.attention.self.query"
     assert report.output_stats["nan"] == 8      # feature 5 of each token
+
+
+def test_sparse_and_nested_tensors_are_checked_like_their_dense_form():
+    """NanDetector and OpStatistics read the values a sparse or nested tensor
+    stores (its implicit zeros counted): an ``Embedding(sparse=True)``
+    gradient used to raise torch's 'not implemented for SparseCPU' as a
+    ToolError out of the backward pass."""
+    torch.manual_seed(0)
+    dense = torch.randn(6, 5)
+    dense[dense.abs() < 0.7] = 0
+    dense[0, 0], dense[1, 1] = math.nan, math.inf
+    expected = tensor_stats(dense)
+    forms = [dense.to_sparse(), dense.to_sparse_csr(),
+             torch.nested.nested_tensor([dense[:2], dense[2:]], layout=torch.jagged)]
+    for form in forms:
+        stats = tensor_stats(form)
+        for key in ("numel", "nan", "inf", "min", "max"):
+            assert stats[key] == expected[key], (form.layout, key)
+        for key in ("mean", "std", "sparsity"):
+            assert stats[key] == pytest.approx(expected[key]), (form.layout, key)
+
+    def train(tool):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        optimizer = torch.optim.SparseAdam(embedding.parameters())
+        with amanda.apply(tool) if tool else amanda.disabled():
+            for _ in range(2):
+                embedding(torch.tensor([1, 2, 3, 2])).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return embedding.weight.detach()
+
+    detector = NanDetector()
+    assert torch.equal(train(detector), train(None))
+    assert not detector.reports and detector.executions > 0
+
+    # an Inf that only the sparse gradient carries: sqrt's gradient at a zero row
+    embedding = torch.nn.Embedding(4, 3, sparse=True)
+    with torch.no_grad():
+        embedding.weight[1] = 0
+    detector = NanDetector(record_all=True)
+    with amanda.apply(detector):
+        embedding(torch.tensor([1, 2])).abs().sqrt().sum().backward()
+    assert embedding.weight.grad.is_sparse
+    assert {r.backward_op_name for r in detector.reports} >= {"EmbeddingBackward0"}

@@ -112,11 +112,30 @@ def as_tensor_like(tensor):
     return as_tensor
 
 
+def _stored(tensor):
+    """``(values, implicit zeros)``: the values a tensor stores, flat, and how
+    many of its elements are zeros it does not store. A strided tensor stores
+    all of them; a sparse one (COO, coalesced first; CSR/CSC/BSR/BSC) its
+    specified values; a nested one the values of its components."""
+    import torch
+    if tensor.layout is torch.strided and not tensor.is_nested:
+        return tensor, 0
+    if tensor.is_nested:
+        parts = [part.reshape(-1) for part in tensor.unbind()]
+        return (torch.cat(parts) if parts else tensor.new_zeros(0)), 0
+    if tensor.layout is torch.sparse_coo:
+        tensor = tensor.coalesce()
+    values = tensor.values().reshape(-1)
+    return values, tensor.numel() - values.numel()
+
+
 def has_nonfinite(tensor):
-    """Whether a floating-point torch tensor holds a NaN or an Inf."""
+    """Whether a floating-point torch tensor (strided, sparse or nested)
+    holds a NaN or an Inf."""
     import torch
     with torch.no_grad():
-        return not bool(torch.isfinite(tensor.detach()).all())
+        values, _ = _stored(tensor.detach())
+        return not bool(torch.isfinite(values).all())
 
 
 def tensor_stats(tensor):
@@ -130,19 +149,26 @@ def tensor_stats(tensor):
     """
     import torch
     with torch.no_grad():
-        t = tensor.detach()
+        t, implicit = _stored(tensor.detach())
         if t.is_complex():
             t = t.abs()
         t = t.to(torch.float64)
-        numel = t.numel()
+        numel = t.numel() + implicit
         nan = int(torch.isnan(t).sum())
         inf = int(torch.isinf(t).sum())
-        zeros = int((t == 0).sum())
+        zeros = int((t == 0).sum()) + implicit
         finite = t[torch.isfinite(t)]
-        if finite.numel():
+        count = finite.numel() + implicit   # the zeros a sparse tensor does not store count too
+        if count and not implicit:
             mn, mx = float(finite.min()), float(finite.max())
             mean = float(finite.mean())
             std = float(finite.std(unbiased=False))
+        elif count:
+            mean = float(finite.sum()) / count
+            spread = float(((finite - mean) ** 2).sum()) + implicit * mean * mean
+            std = (spread / count) ** 0.5
+            mn = min(float(finite.min()), 0.0) if finite.numel() else 0.0
+            mx = max(float(finite.max()), 0.0) if finite.numel() else 0.0
         else:
             mn = mx = mean = std = None
     return tuple(tensor.shape), str(tensor.dtype), numel, nan, inf, zeros, mn, mx, mean, std
