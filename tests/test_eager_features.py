@@ -774,7 +774,13 @@ def test_no_fast_path_warning_where_torch_takes_no_fast_path():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_counts_are_the_same_on_a_cache_hit_and_without_the_cache(name):
-    build, step = _case(name)
+    assert_cache_agrees(*_case(name))
+
+
+def assert_cache_agrees(build, step):
+    """The (op id, point) executions of a program: the first run, a run on a
+    cache hit and a run under ``cache_disabled()`` agree (shared by the
+    user-code test files)."""
     cached = Counter()
     _run(build, step, cached)
     first = dict(cached.executions)

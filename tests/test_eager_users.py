@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amanda
 from tests.test_eager_features import Counter, Echo, _run, grads, module_state, same, said
-from tests.test_eager_features import torch_state
+from tests.test_eager_features import assert_cache_agrees, torch_state
 
 
 # -- scenarios --------------------------------------------------------------------------
@@ -309,16 +309,7 @@ def test_identity_routines_leave_user_code_bit_identical(name, clone):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_user_code_counts_the_same_on_a_cache_hit_and_without_the_cache(name):
-    build, step = SCENARIOS[name]()
-    cached = Counter()
-    _run(build, step, cached)
-    first = dict(cached.executions)
-    cached.executions.clear()
-    _run(build, step, cached)
-    uncached = Counter()
-    _run(build, step, uncached, amanda.cache_disabled)
-    assert first and dict(cached.executions) == first
-    assert dict(uncached.executions) == first
+    assert_cache_agrees(*SCENARIOS[name]())
 
 
 # -- forward-mode AD: replacements pass the tangent straight through ----------------------

@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_s
 from torch.utils.checkpoint import checkpoint
 
 import amanda
-from tests.test_eager_features import Counter, Echo, _run, grads, same, said
+from tests.test_eager_features import Counter, Echo, _run, assert_cache_agrees, grads, same, said
 
 SCENARIOS = {}
 
@@ -531,16 +531,7 @@ def test_identity_routines_leave_user_code_bit_identical(name, clone):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_user_code_counts_the_same_on_a_cache_hit_and_without_the_cache(name):
-    build, step = SCENARIOS[name]()
-    cached = Counter()
-    _run(build, step, cached)
-    first = dict(cached.executions)
-    cached.executions.clear()
-    _run(build, step, cached)
-    uncached = Counter()
-    _run(build, step, uncached, amanda.cache_disabled)
-    assert first and dict(cached.executions) == first
-    assert dict(uncached.executions) == first
+    assert_cache_agrees(*SCENARIOS[name]())
 
 
 # -- fixed ----------------------------------------------------------------------------------
