@@ -233,6 +233,45 @@ def test_bert_linear_layers_are_pruned_2_of_4_along_the_input():
     assert pruner.report()["total"]["sparsity"] == 0.5
 
 
+def test_gpt2_conv1d_layers_are_pruned_like_linear_ones():
+    """transformers' GPT-2 projects with ``Conv1D``: ``torch.addmm(b, x, W)``
+    with ``W`` laid out (in, out). They used to be left dense with no word
+    (0 layers, 0 skipped): a matrix product whose operand is a 2-D parameter
+    is pruned, N:M along its input axis (0), its gradient masked; the
+    pruned run equals the same model with the masks written into its
+    weights by hand, and pruned weights do not move in training."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2Model(config)
+    ids = torch.randint(0, 300, (2, 8))
+    reference = transformers.GPT2Model(config)
+    reference.load_state_dict(model.state_dict())
+    pruner = Pruner("2:4")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with amanda.apply(pruner):
+        pruned = model(ids).last_hidden_state
+        pruned.sum().backward()
+    optimizer.step()
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
+    assert len(pruner.layers) == 2 * 4 and not pruner.skipped
+    assert {layer.type for layer in pruner.layers.values()} == {"addmm"}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for layer in pruner.layers.values():
+            mask = torch.from_numpy(layer.mask)
+            in_features, out_features = layer.shape
+            assert (mask.reshape(in_features // 4, 4, out_features).sum(1) == 2).all()
+            name = f"{layer.module}.weight"
+            assert torch.equal(params[name][mask == 0], before[name][mask == 0])
+            assert (params[name][mask == 1] != before[name][mask == 1]).any()
+            dict(reference.named_parameters())[name].mul_(mask)
+    torch.testing.assert_close(pruned, reference(ids).last_hidden_state)
+    assert pruner.report()["total"]["sparsity"] == 0.5
+
+
 @pytest.mark.slow
 def test_docs_page_examples_run_and_print_what_they_show(monkeypatch, tmp_path):
     blocks = re.findall(r"```(\w+)\n(.*?)```", DOCS.read_text(), re.S)

@@ -47,6 +47,7 @@ import numpy as np
 import amanda
 from amanda import portable
 from amanda.errors import AmandaError
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
 from amanda.tools.mapping import MappingTool
@@ -55,7 +56,14 @@ __all__ = ["Pruner", "PrunedLayer", "magnitude_mask", "nm_mask", "channel_mask",
            "mask_weight", "mask_grad", "LAYOUT_RULES", "PRUNED_TYPES"]
 
 #: Canonical op types pruned by default (those the mapping rules give a weight).
-PRUNED_TYPES = ("conv2d", "depthwise_conv2d", "linear")
+PRUNED_TYPES = ("conv2d", "depthwise_conv2d", "linear", "addmm", "mm", "matmul")
+
+#: PyTorch matrix products pruned where an operand is a 2-D parameter laid
+#: out (in, out) (transformers' ``Conv1D``: ``torch.addmm(b, x, W)``): the
+#: operand's position, and the position of its gradient among the
+#: gradients of each backward op that computes it.
+PARAMETER_PRODUCTS = {"addmm": 2, "mm": 1, "matmul": 1}
+_PRODUCT_GRADS = {"AddmmBackward0": 2, "MmBackward0": 1}
 
 
 # -- masks (NumPy, any layout) ---------------------------------------------------------
@@ -236,6 +244,22 @@ def _pattern(pattern):
                       f"0 < N <= M (e.g. '2:4'), got {pattern!r}")
 
 
+def _parameter_operand(context):
+    """``(position, weight (NumPy copy), as_tensor, (out axis, in axis))``
+    for a PyTorch matrix product (`PARAMETER_PRODUCTS`) whose operand is a
+    2-D parameter, else None."""
+    position = PARAMETER_PRODUCTS.get(context.get("type"))
+    if position is None or not str(context.namespace).startswith("pytorch"):
+        return None
+    inputs = context.get_inputs()
+    operand = inputs[position] if position < len(inputs) else None
+    support = support_for(context.namespace)
+    if operand is None or len(getattr(operand, "shape", ())) != 2 \
+            or not support.trainable_parameters([operand]):
+        return None
+    return position, _to_numpy(operand).copy(), support.as_tensor_like(operand), (1, 0)
+
+
 def _to_numpy(value):
     if hasattr(value, "detach"):   # a torch tensor
         return value.detach().cpu().numpy()
@@ -333,15 +357,21 @@ class Pruner(amanda.Tool):
     # -- analysis -------------------------------------------------------------------
     def forward_analysis(self, context):
         position = context.get("weight_input")
-        if context.get("type") not in self.op_types or position is None:
+        if context.get("type") not in self.op_types:
             return
+        if position is None:
+            found = _parameter_operand(context)
+            if found is None:
+                return
+            position, weight, as_tensor, axes = found
+        else:
+            weight, as_tensor = context["weight"], context["as_tensor"]
+            axes = (context.get("weight_channel_axis"), context.get("weight_input_axis"))
         if self.select is not None and not self.select(context):
             return
         key = (context.namespace, context.get_op_id())
-        weight = context["weight"]
         layer = PrunedLayer(key, context.get_op_id(), context["type"], module_path_of(context),
-                            weight.shape, context["as_tensor"],
-                            (context.get("weight_channel_axis"), context.get("weight_input_axis")))
+                            weight.shape, as_tensor, axes)
         if self.compute_mask(weight, layer) is None:
             self.skipped[key] = {"op_id": layer.op_id, "type": layer.type, "module": layer.module,
                                  "reason": f"{self.pattern_name} needs an input dimension "
@@ -359,6 +389,8 @@ class Pruner(amanda.Tool):
     def backward_analysis(self, context):
         layer = context.get("prune_layer")
         position = context.get("weight_grad")
+        if layer is not None and layer.type in PARAMETER_PRODUCTS:
+            position = _PRODUCT_GRADS.get(getattr(context.get_backward_op(), "__name__", None))
         if layer is None or position is None:
             return
         grads = context.get_grad_inputs()
