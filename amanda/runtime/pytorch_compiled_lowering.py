@@ -44,7 +44,7 @@ class _Routine:
         return new
 
 
-def _observe_impl(handle: int, tensors: list[torch.Tensor]) -> None:
+def _observe_impl(handle: int, tensors: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
     routine = _ROUTINES[handle]
     new = routine(tensors)
     if new is not None:
@@ -90,9 +90,13 @@ def _custom_ops():
     if not _OPS:
         # nondeterministic_seeded: fake tensor mode must not fold a routine on
         # constant inputs (``torch.tensor(2.0)``) by running it while tracing
-        tags = (torch.Tag.nondeterministic_seeded,)
+        # cudagraph_unsafe: a CUDA graph replay runs kernels only, so a
+        # routine captured into one would run once, at capture; marked, the
+        # op stays out of ``mode="reduce-overhead"``'s graphs
+        tags = (torch.Tag.nondeterministic_seeded,) + tuple(
+            getattr(torch.Tag, name) for name in ("cudagraph_unsafe",) if hasattr(torch.Tag, name))
         observe = torch.library.custom_op("amanda::observe", mutates_args=(), tags=tags)(_observe_impl)
-        observe.register_fake(lambda handle, tensors: None)
+        observe.register_fake(lambda handle, tensors, anchors: None)
         torch.fx.node.has_side_effect(torch.ops.amanda.observe.default)
         replace = torch.library.custom_op("amanda::replace", mutates_args=(), tags=tags)(_replace_impl)
 
@@ -138,9 +142,16 @@ def _straight(old, new):
     return old + (new - old).detach()
 
 
-def _emit(graph, action, selected, where, observe_only):
+def _emit(graph, action, selected, where, observe_only, anchors):
     """Inserts the call of one routine at the graph's cursor; returns the nodes of
-    its results (one per selected node), or None when it only observes."""
+    its results (one per selected node), or None when it only observes.
+
+    ``anchors``: the op's tensors at this point (its inputs before it, its
+    outputs after it), which an observer reads whatever it selects. They tie
+    the side-effectful call to the op's dataflow: inductor scheduled an
+    observer that read no tensor (``inputs=[]``) into the middle of a fused
+    kernel's buffers and generated code that used a buffer it had freed
+    (UnboundLocalError at run time)."""
     from amanda.portable import is_portable
 
     routine = _Routine(action, where)
@@ -157,7 +168,7 @@ def _emit(graph, action, selected, where, observe_only):
     _ROUTINES.append(routine)
     handle = len(_ROUTINES) - 1
     if observe_only:
-        graph.call_function(ops["observe"], (handle, list(selected)))
+        graph.call_function(ops["observe"], (handle, list(selected), list(anchors)))
         return None
     call = graph.call_function(ops["replace"], (handle, list(selected)))
     return _items(graph, call, len(selected))
@@ -247,7 +258,7 @@ def insert_actions(gm, lifted, plan):
             inputs = _tensor_args(node)
             chosen = _selected(inputs, action, where)
             with graph.inserting_before(node):
-                new = _emit(graph, action, chosen, where, _observes(action))
+                new = _emit(graph, action, chosen, where, _observes(action), inputs)
             if new is not None:
                 mapping = dict(zip(chosen, new))
                 node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
@@ -298,7 +309,7 @@ def _insert_after(graph, node, actions, where):
         users = {c: [u for u in c.users] + [u for o in old for u in o.users]
                  for c, old in zip(cursors, olds)}
         with graph.inserting_after(last):
-            new = _emit(graph, action, chosen, where, observe)
+            new = _emit(graph, action, chosen, where, observe, cursors)
         if new is None:
             continue
         mapping = dict(zip(chosen, new))

@@ -301,6 +301,7 @@ class TorchEagerDriver(Driver):
             _torch_module.register_module_forward_hook(_module_post_hook, always_call=True),
         ]
         _patch_engine()
+        _patch_graph_capture()
         if "torch._dynamo" in sys.modules:
             _compile_eagerly()
 
@@ -309,6 +310,7 @@ class TorchEagerDriver(Driver):
             handle.remove()
         self._handles = []
         _restore_engine()
+        _restore_graph_capture()
         _restore_compile()
 
 
@@ -357,14 +359,29 @@ _ENGINE = {"original": None}
 _function_mode_stack = torch.overrides._get_current_function_mode_stack
 
 
+#
+# On an accelerator, autograd runs a pass's nodes on a device thread of its
+# own, where none of the caller's per-thread state holds: ``disabled()``,
+# ``cache_disabled()``, the scope and its module stack (a checkpointed
+# region recomputed there was "another thread outside any scope", its
+# points dropped; a pass inside ``disabled()`` ran its backward routines).
+# So every pass started while amanda is applied runs on the calling thread,
+# as it does on the CPU (``set_multithreading_enabled(False)``: torch's own
+# switch, which puts every node on the caller's ready queue; values and
+# streams are the same, only passes spanning several devices lose their
+# device threads' parallelism).
+_single_threaded = torch.autograd.set_multithreading_enabled
+
+
 def _run_backward_seen(*args, **kwargs):
     st = getattr(_tls, "state", None)
     mode = st.mode if st is not None and st.depth else None
-    if mode is None or _CONTROLS.disabled or any(
-            m is mode for m in _function_mode_stack()):
-        return _ENGINE["original"](*args, **kwargs)
-    with mode:
-        return _ENGINE["original"](*args, **kwargs)
+    with _single_threaded(False):
+        if mode is None or _CONTROLS.disabled or any(
+                m is mode for m in _function_mode_stack()):
+            return _ENGINE["original"](*args, **kwargs)
+        with mode:
+            return _ENGINE["original"](*args, **kwargs)
 
 
 def _patch_engine():
@@ -378,6 +395,46 @@ def _restore_engine():
     if _ENGINE["original"] is not None:
         autograd._engine_run_backward = _ENGINE["original"]
         _ENGINE["original"] = None
+
+
+# -- CUDA graphs ------------------------------------------------------------------
+
+# **Rule: a CUDA graph captured inside ``apply`` is said to replay without
+# routines.** Capture records the kernels the ops launch; a replay runs
+# those kernels only, so the routines ran once, at capture, and no later
+# replay reaches them (their counts, observed values and Python-side effects
+# are the capture's). amanda cannot run Python inside a replay: it says so
+# at the capture (``torch.cuda.graph``, ``make_graphed_callables``). Compiled
+# graphs do not meet this: amanda's routine ops are marked unsafe for CUDA
+# graphs, so ``mode="reduce-overhead"`` leaves them out of its graphs
+# (`pytorch_compiled_lowering`).
+_CAPTURE = {"original": None}
+
+
+def _capture_begin_said(graph, *args, **kwargs):
+    st = getattr(_tls, "state", None)
+    if st is not None and st.depth and not _CONTROLS.disabled:
+        warnings.warn(
+            "amanda: a CUDA graph is captured inside amanda.apply: its replays run the "
+            "captured kernels only, so instrumentation routines ran at the capture and run at "
+            "no replay. Capture outside apply (under amanda.disabled()) and run the model "
+            "without CUDA graphs where it must be instrumented. See docs/pytorch-eager.md, "
+            "Limits.", NotInstrumentedWarning, stacklevel=user_stacklevel(torch))
+    return _CAPTURE["original"](graph, *args, **kwargs)
+
+
+def _patch_graph_capture():
+    graph_class = getattr(torch.cuda, "CUDAGraph", None)
+    if graph_class is None or _CAPTURE["original"] is not None:
+        return
+    _CAPTURE["original"] = graph_class.capture_begin
+    graph_class.capture_begin = _capture_begin_said
+
+
+def _restore_graph_capture():
+    if _CAPTURE["original"] is not None:
+        torch.cuda.CUDAGraph.capture_begin = _CAPTURE["original"]
+        _CAPTURE["original"] = None
 
 
 # -- torch.compile ----------------------------------------------------------------
