@@ -43,6 +43,26 @@ class GraphBackend:
         """What ``get_inputs()`` & co. return for IR tensors."""
         return list(ir_tensors)
 
+    def context(self, op):
+        """A new context for forward op ``op``: its id is the IR op's name
+        unless the backend gives ops ids of their own (compiled PyTorch
+        gives eager's)."""
+        return OpContext(self.namespace, self.raw_op(op), op.name, op.type)
+
+    def inputs(self, op):
+        """What the context shows of the op's inputs (``get_inputs()`` of a
+        forward op, ``get_grad_outputs()`` of a backward op). Called in graph
+        order, at the op's before point if it has routines there and again at
+        its after point, just before `outputs`: a backend that analyses on
+        values it computes (compiled PyTorch runs the graph as the pass walks
+        it) may compute them here."""
+        return self.values(op.inputs)
+
+    def outputs(self, op):
+        """What the context shows of the op's outputs, at its after point
+        (after `inputs` for the same op)."""
+        return self.values(op.outputs)
+
 
 class OpActions:
     """The actions recorded on one IR op, and its context."""
@@ -148,7 +168,7 @@ class InstrumentationPass:
 
 
 def _analyse_forward(op, graph, session, backend):
-    context = OpContext(backend.namespace, backend.raw_op(op), op.name, op.type)
+    context = backend.context(op)
     return _run_points(op, graph, session, backend, context,
                        (FORWARD_BEFORE, FORWARD_AFTER), ("inputs", "outputs"))
 
@@ -179,11 +199,10 @@ def _run_points(op, graph, session, backend, context, points, slots):
     (before, after), (input_name, output_name) = points, (s.lstrip("_") for s in slots)
     context._set_ir(op, graph)
     if session.routines[before]:
-        context._set_values(**{input_name: backend.values(op.inputs)})
+        context._set_values(**{input_name: backend.inputs(op)})
         session.analyse(before, context)
     if session.routines[after]:
-        context._set_values(**{input_name: backend.values(op.inputs),
-                               output_name: backend.values(op.outputs)})
+        context._set_values(**{input_name: backend.inputs(op), output_name: backend.outputs(op)})
         session.analyse(after, context)
     entry = OpActions(op, context)
     _absorb(entry, context)

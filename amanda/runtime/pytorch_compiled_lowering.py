@@ -245,9 +245,11 @@ def _selected(values, action, where):
 
 
 def insert_actions(gm, lifted, plan):
-    """Inserts the recorded actions into ``gm``'s graph (in place) and recompiles it."""
+    """Inserts the actions of ``plan`` (the instrumentation pipeline's
+    `InstrumentationPlan`) into ``gm``'s graph (in place) and recompiles it."""
     graph = gm.graph
-    for name, entry in plan.items():
+    for entry in plan.actions():
+        name = entry.op.name
         node = lifted.nodes[name]
         where = (entry.op.type, lifted.op_ids[name], NAMESPACE)
         if entry.replace:

@@ -15,11 +15,9 @@ import copy
 
 import torch
 
-from amanda import controls
 from amanda.context import OpContext
 from amanda.errors import BackendError
 from amanda.runtime.pytorch_compiled_graphs import NAMESPACE, CompiledGraphBackend, _tensor_args
-from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
 
 __all__ = ["analyse"]
 
@@ -27,49 +25,33 @@ __all__ = ["analyse"]
 # -- analysis ------------------------------------------------------------------------------
 
 def analyse(lifted, session, gm, example_inputs):
-    """Runs the session's forward analysis routines on every op, once.
+    """Runs the session's forward analysis routines on every op, once, through
+    the one instrumentation pipeline (`amanda.passes.pipeline.instrument_graph`).
 
-    The graph ``gm`` is run once eagerly on ``example_inputs`` (the real
-    tensors of the call Dynamo compiles for; `_Probe`) and each op's
-    routines receive real tensors, as an eager op's first execution gives
-    them: the before-routines its inputs before it runs, the after-routines
-    its inputs and outputs after.
+    The pipeline walks the lifted graph in order while `_Probe`, its backend,
+    runs ``gm`` eagerly on ``example_inputs`` (the real tensors of the call
+    Dynamo compiles for) one node ahead of it, so each op's routines receive
+    real tensors, as an eager op's first execution gives them: the
+    before-routines its inputs before it runs, the after-routines its inputs
+    and outputs after.
 
     Returns:
-        ``{fx node name: OpActions}`` of the ops that carry actions.
+        The :class:`~amanda.passes.instrumentation.InstrumentationPlan`.
     """
-    from amanda.passes.instrumentation import OpActions, _absorb
-    backend = CompiledGraphBackend(lifted)
-    plan = {}
-    ops = {op.name: op for op in lifted.graph.ops}
-    before, after = session.routines[FORWARD_BEFORE], session.routines[FORWARD_AFTER]
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    def visit_before(node, inputs):
-        op = ops[node.name]
-        context = _context(lifted, backend, op)
-        context._set_ir(op, lifted.graph)
-        if before:
-            context._set_values(inputs=inputs)
-            session.analyse(FORWARD_BEFORE, context)
-        return context
-
-    def visit_after(node, context, inputs, outputs):
-        if after:
-            context._set_values(inputs=inputs, outputs=outputs)
-            session.analyse(FORWARD_AFTER, context)
-        entry = OpActions(ops[node.name], context)
-        _absorb(entry, context)
-        if entry:
-            plan[node.name] = entry
-
-    with controls.muted():
-        _Probe(gm, lifted, visit_before, visit_after).probe(example_inputs)
+    from amanda.passes.pipeline import instrument_graph
+    probe = _Probe(gm, lifted)
+    probe.start(example_inputs)
+    try:
+        # compiled graphs reach tools that want whole graphs or backward ops
+        # eagerly (`pytorch_compiled`), so the graph is no whole program here
+        with _disable_current_modes(), torch.no_grad():
+            plan, _ = instrument_graph(lifted.graph, session, probe, name="compiled graph",
+                                       whole=False)
+    finally:
+        probe.finish()
     return plan
-
-
-def _context(lifted, backend, op):
-    return OpContext(NAMESPACE, backend.raw_op(op), lifted.op_ids[op.name], op.type,
-                     module_path=lifted.module_paths[op.name])
 
 
 #: Python's item and augmented assignments (``operator.iadd``, ``Tensor.__iadd__``...)
@@ -100,65 +82,108 @@ def _mutated_roots(gm):
     return roots
 
 
-class _Probe(torch.fx.Interpreter):
-    """One eager run of a Dynamo graph for its analysis, on the real inputs of
-    the call being compiled, that leaves no trace: it runs without autograd
-    (where the graph does not turn it on itself), on copies of every input
-    that is no parameter, and of every parameter the graph may write to
-    (`_mutated_roots`); the random number generators are put back as they
-    were, so the compiled call draws what it would have drawn. Values are
-    freed as soon as no later node reads them (the interpreter's own
-    collection), so its peak memory is an eager forward's without autograd."""
+class _Probe(CompiledGraphBackend):
+    """The backend of a compiled graph's analysis: one eager run of the Dynamo
+    graph on the real inputs of the call being compiled, stepped node by node
+    as the instrumentation pass asks for an op's values (`inputs` runs the
+    graph up to the op, `outputs` runs the op), that leaves no trace: it runs
+    without autograd (where the graph does not turn it on itself), on copies
+    of every input that is no parameter, and of every parameter the graph may
+    write to (`_mutated_roots`); the random number generators are put back as
+    they were (`finish`), so the compiled call draws what it would have
+    drawn. Values are freed as soon as no later node reads them (the fx
+    interpreter's own collection), so its peak memory is an eager forward's
+    without autograd. Nodes after the last op the pass asks for are not run."""
 
-    def __init__(self, gm, lifted, visit_before, visit_after):
-        super().__init__(gm, garbage_collect_values=True)
-        self.extra_traceback = False     # a routine's error keeps its own message
-        self.lifted = lifted
-        self.visit_before = visit_before
-        self.visit_after = visit_after
+    def __init__(self, gm, lifted):
+        super().__init__(lifted)
+        self.interpreter = torch.fx.Interpreter(gm, garbage_collect_values=True)
+        self.interpreter.extra_traceback = False   # a routine's error keeps its own message
+        self.gm = gm
+        self.nodes = None
+        self.kept = []
+        self.rng = self.cuda_rng = None
+        self.seen = {}       # IR op name -> [tensor inputs, outputs or None until it ran]
+        self.pending = None  # the node the run stopped before
 
-    def probe(self, example_inputs):
-        from torch.utils._python_dispatch import _disable_current_modes
-        placeholders = [n for n in self.module.graph.nodes if n.op == "placeholder"]
-        written = _mutated_roots(self.module)
-        args, kept = [], []
+    def start(self, example_inputs):
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        written = _mutated_roots(self.gm)
+        args = []
         for node, value in zip(placeholders, example_inputs):
             if isinstance(value, torch.Tensor) and not (
                     isinstance(value, torch.nn.Parameter) and node not in written):
                 value = value.detach().clone()
             elif isinstance(value, torch.Tensor):
-                kept.append((value, value._version))
+                self.kept.append((value, value._version))
             args.append(value)
-        rng = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        try:
-            with _disable_current_modes(), torch.no_grad():
-                self.run(*args)
-        finally:
-            torch.set_rng_state(rng)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
-        for value, version in kept:
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        interpreter = self.interpreter
+        interpreter.env = {}
+        interpreter.args_iter = iter(self.gm.graph.process_inputs(*args))
+        self.nodes = iter(self.gm.graph.nodes)
+
+    def finish(self):
+        self.nodes = self.pending = None
+        self.interpreter.env = {}
+        self.seen.clear()
+        if self.rng is not None:
+            torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        for value, version in self.kept:
             if value._version != version:      # never seen: `_mutated_roots` is conservative
                 raise BackendError("amanda's analysis run of a compiled graph modified a parameter "
                                    f"of shape {tuple(value.shape)} [namespace {NAMESPACE}]")
 
-    def run_node(self, node):
-        if node.name not in self.lifted.nodes:
-            return super().run_node(node)
-        inputs = [self.env[a] for a in _tensor_args(node)]
-        context = self.visit_before(node, inputs)
-        result = super().run_node(node)
-        if isinstance(result, torch.Tensor):
-            outputs = [result]
-        elif result is None and node.args and isinstance(node.args[0], torch.fx.Node):
-            outputs = [self.env[node.args[0]]]   # an in-place op that returns None (x[i] = v)
-        else:
-            outputs = [v for v in result if isinstance(v, torch.Tensor)] \
-                if isinstance(result, (tuple, list)) else []
-        self.visit_after(node, context, inputs, outputs)
+    def _run(self, node):
+        interpreter = self.interpreter
+        interpreter.env[node] = result = interpreter.run_node(node)
+        for done in interpreter.user_to_last_uses.get(node, ()):
+            del interpreter.env[done]
         return result
 
+    def _run_pending(self):
+        """Runs the op the graph stopped before, if the pass did not ask for
+        its outputs; returns its result."""
+        node, self.pending = self.pending, None
+        if node is None:
+            return None
+        first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        first = self.interpreter.env.get(first) if first is not None else None
+        result = self._run(node)
+        if isinstance(result, torch.Tensor):
+            return [result]
+        if result is None:
+            return [] if first is None else [first]   # an in-place op returning None (x[i] = v)
+        if isinstance(result, (tuple, list)):
+            return [v for v in result if isinstance(v, torch.Tensor)]
+        return []
+
+    def context(self, op):
+        return OpContext(NAMESPACE, self.raw_op(op), self.lifted.op_ids[op.name], op.type,
+                         module_path=self.lifted.module_paths[op.name])
+
+    def inputs(self, op):
+        seen = self.seen.get(op.name)
+        if seen is None:
+            self._run_pending()
+            target = self.lifted.nodes[op.name]
+            for node in self.nodes:
+                if node is target:
+                    break
+                self._run(node)
+            env = self.interpreter.env
+            seen = self.seen[op.name] = [[env[a] for a in _tensor_args(target)], None]
+            self.pending = target
+        return list(seen[0])
+
+    def outputs(self, op):
+        seen = self.seen[op.name]
+        if seen[1] is None:
+            seen[1] = self._run_pending()
+        return list(seen[1])
 
 
 def _own_copy(gm, lifted):
