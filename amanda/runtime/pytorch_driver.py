@@ -24,6 +24,8 @@ from torch.nn.modules import module as _torch_module
 from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, user_stacklevel
 from amanda.runtime import pytorch_records as _records
 from amanda.runtime.driver import Driver
+from amanda.runtime.pytorch_backward import (
+    install_quick_registration, remove_quick_registration)
 from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
 from amanda.runtime.pytorch_records import _Cache, _StraightThrough
 from amanda.runtime.pytorch_routines import _grad_enabled
@@ -301,6 +303,7 @@ class TorchEagerDriver(Driver):
             _torch_module.register_module_forward_hook(_module_post_hook, always_call=True),
         ]
         _patch_engine()
+        install_quick_registration()
         if "torch._dynamo" in sys.modules:
             _compile_eagerly()
 
@@ -309,6 +312,7 @@ class TorchEagerDriver(Driver):
             handle.remove()
         self._handles = []
         _restore_engine()
+        remove_quick_registration()
         _restore_compile()
 
 
