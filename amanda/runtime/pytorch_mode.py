@@ -27,7 +27,7 @@ from amanda.runtime.pytorch_sites import (
     _CODE_KIND, _CONTROLS, _FUNCS, _NOT_A_POINT, _SITE, _calling_site, _classify, _getframe,
     _sequence_nr, _Tensor)
 from amanda.runtime.pytorch_writes import (
-    _check_view_write, _mark_replaced_views, _mark_viewed, _swapped, _version_of, _write_back,
+    _check_view_write, _mark_replaced_views, _mark_viewed, _swapped, _write_back,
     _write_into_modified, _writes_in_place, _writes_of)
 from amanda.runtime.routines import select
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
@@ -431,7 +431,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
             or not record.post_done or trace is not None):
-        tensors, slots = _flatten(args, kwargs)
+        tensors = _tensors_of(args, kwargs)
     else:
         tensors = None    # found only if a gradient accumulator is to be named
     context = None
@@ -452,10 +452,11 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if record.before:
         originals = list(tensors)
         if _apply_actions(record.before, tensors, where):
+            slots = _flatten(args, kwargs)[1]
             swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
             args, kwargs = _rebuild(args, kwargs, slots, tensors)
-    versions = ([_version_of(t) for t in tensors] if record.after and computed is _NOTHING
-                else None)
+    versions = ([None if t.is_inference() else t._version for t in tensors]   # _version_of
+                if record.after and computed is _NOTHING else None)
     mark = _sequence_nr()
     if record.replace:
         action = record.replace[0]
@@ -500,7 +501,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         produced = list(outputs)
         if _apply_actions(record.after, outputs, where):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
-                                 result is None, where[0], slots,
+                                 result is None, where[0], _flatten(args, kwargs)[1],
                                  _writes_of(func, args, kwargs))
             _mark_replaced_views(produced, outputs, tensors)
             if result is not None:

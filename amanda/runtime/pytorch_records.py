@@ -124,7 +124,8 @@ class _BackwardRecord:
 class _OpRecord:
     __slots__ = ("op_id", "name", "func", "module_path", "context", "pre_done", "post_done",
                  "before", "after", "replace", "backward", "walked", "fast", "watch", "session",
-                 "where", "nodes", "spec", "pinned", "kinds", "lane", "owner")
+                 "where", "nodes", "spec", "pinned", "kinds", "lane", "owner",
+                 "settled")
 
     def __init__(self, session, op_id, name, func, module_path):
         self.session = session
@@ -145,6 +146,7 @@ class _OpRecord:
         self.kinds = None       # (node kinds, their records): see backward_records
         self.owner = (session.token, op_id)   # claims gradient accumulators (the walk)
         self.lane = None
+        self.settled = False
         self.refresh()
 
     def fresh(self):
@@ -159,7 +161,10 @@ class _OpRecord:
     def refresh(self):
         if not self.pinned:
             self._refresh_unpinned()
+        elif self.settled:
+            return      # pinned and analysed: its actions, so its lane, are final
         self.lane = self._lane()
+        self.settled = self.pinned and self.pre_done and self.post_done
 
     def _lane(self):
         """Which short lane of the slow path the op takes while the cache is

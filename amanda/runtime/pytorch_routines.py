@@ -24,6 +24,7 @@ from amanda.runtime.routines import (
 
 
 _grad_enabled = torch.is_grad_enabled
+_CONTROLS = controls.state
 _set_grad_enabled = torch._C._set_grad_enabled
 _unpack_dual = torch._C._VariableFunctions._unpack_dual
 _interpreter_stack = torch._C._functorch.get_interpreter_stack
@@ -80,7 +81,7 @@ def _invoke(action, selected, where, meta=_meta):
     if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     # controls.muted(), inlined: this runs once per instrumentation point
-    state = controls.state
+    state = _CONTROLS
     saved = state.disabled
     state.disabled = True
     try:
