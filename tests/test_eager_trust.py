@@ -581,3 +581,30 @@ def test_a_replaced_input_that_gets_no_gradient_stays_without_one():
     assert y.grad is None
     assert all(torch.equal(g, v) for g, v in zip(got, vanilla) if v is not None)
     assert backend_state() == CLEAN
+
+
+def test_node_hooks_go_without_handles_and_user_hooks_keep_theirs():
+    """amanda's node hooks are registered without a ``RemovableHandle``
+    while it is applied (docs/pytorch-eager.md); a user's hooks on the same
+    nodes keep torch's handles, which still remove them, and torch's
+    registration is back once the scope ends."""
+    torch_register = torch.autograd.Function._register_hook
+    assert "_register_hook" not in torch.autograd.Function.__dict__
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+    tool = Counter()
+    for step in range(2):          # analysed, then replayed from the cache
+        seen.clear()
+        with amanda.apply(tool):
+            y = torch.neg(x)
+            kept = y.grad_fn.register_prehook(lambda g: seen.append("pre"))
+            removed = y.grad_fn.register_hook(lambda gi, go: seen.append("removed"))
+            y.grad_fn.register_hook(lambda gi, go: seen.append("post"))
+            removed.remove()
+            assert type(kept).__name__ == "RemovableHandle"
+            y.sum().backward()
+        assert seen == ["pre", "post"]
+        assert sum(n for (_, point), n in tool.executions.items() if point == "bbefore") \
+            == 3 * (step + 1)      # NegBackward0, SumBackward0, AccumulateGrad
+    assert "_register_hook" not in torch.autograd.Function.__dict__
+    assert torch.autograd.Function._register_hook is torch_register

@@ -10,6 +10,10 @@ hooks are installed on those where something must run
 from __future__ import annotations
 
 import functools
+import itertools
+from collections import OrderedDict
+
+import torch
 
 from amanda.context import OpContext
 from amanda.errors import ToolError
@@ -89,8 +93,8 @@ def _install_backward(session, record, nodes, inputs):
             if shared is None or shared[0].session is not session:
                 holder = _NodeHooks(session)
                 holder.brec = brec
-                shared = brec.hooks = (holder, functools.partial(_backward_pre, holder),
-                                       functools.partial(_backward_post, holder))
+                shared = brec.hooks = (holder, _Hook(_backward_pre, holder),
+                                       _Hook(_backward_post, holder))
             if not brec.pre_done or brec.before:
                 node.register_prehook(shared[1])
             if not brec.pre_done or not brec.post_done or brec.after or brec.replace:
@@ -104,13 +108,63 @@ def _install_backward(session, record, nodes, inputs):
             hooks = metadata["amanda_hooks"] = _NodeHooks(session)
         hooks.brec = brec
         if not hooks.pre and (not brec.pre_done or brec.before):
-            node.register_prehook(functools.partial(_backward_pre, hooks))
+            node.register_prehook(_Hook(_backward_pre, hooks))
             hooks.pre = True
         # A pending pre-analysis may record "after" actions for this very run.
         if not hooks.post and (not brec.pre_done or not brec.post_done or brec.after
                                or brec.replace):
-            node.register_hook(functools.partial(_backward_post, hooks))
+            node.register_hook(_Hook(_backward_post, hooks))
             hooks.post = True
+
+
+class _Hook(functools.partial):
+    """A node hook of amanda's: ``_backward_pre`` or ``_backward_post`` bound
+    to the ``_NodeHooks`` it acts on. Registered without a handle (below)."""
+
+    __slots__ = ()
+
+
+# -- registering a node hook without a handle ------------------------------------
+#
+# ``node.register_prehook(h)``/``register_hook(h)`` call, from C++, the
+# Python ``torch.autograd.Function._register_hook(hooks, h)``: it makes the
+# node's ``OrderedDict`` of hooks (the first time) and a ``RemovableHandle``
+# (a weak reference, a class counter), about 1 µs of the 1.7 µs a
+# registration costs. amanda never removes a hook (a node's hooks go with
+# the node), so while amanda is applied its own hooks (``_Hook``) are put in
+# the dict under keys of their own (negative: a handle's ids are not) and
+# no handle is made. Every other hook is registered by torch's function, as
+# before; torch's attribute is put back when the last scope ends.
+
+_HOOK_CLASS = torch.autograd.Function      # whose _register_hook torch's C++ calls
+_KEYS = itertools.count(-1, -1)
+_TORCH_REGISTER = {"function": None}
+
+
+def _register_without_handle(hooks, hook):
+    if type(hook) is not _Hook:
+        return _TORCH_REGISTER["function"](hooks, hook)
+    if hooks is None:
+        hooks = OrderedDict()      # torch's type: a handle of a later user hook refers to it
+    hooks[next(_KEYS)] = hook
+    return hooks, None
+
+
+_QUICK = staticmethod(_register_without_handle)
+
+
+def install_quick_registration():
+    """While amanda is applied (process-wide: the first thread in)."""
+    if "_register_hook" in _HOOK_CLASS.__dict__:
+        return       # torch's layout is not the one this was written for: leave it
+    _TORCH_REGISTER["function"] = _HOOK_CLASS._register_hook
+    _HOOK_CLASS._register_hook = _QUICK
+
+
+def remove_quick_registration():
+    if _HOOK_CLASS.__dict__.get("_register_hook") is _QUICK:
+        del _HOOK_CLASS._register_hook
+    _TORCH_REGISTER["function"] = None
 
 
 class _NodeHooks:

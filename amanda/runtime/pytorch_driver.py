@@ -24,6 +24,8 @@ from torch.nn.modules import module as _torch_module
 from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, user_stacklevel
 from amanda.runtime import pytorch_records as _records
 from amanda.runtime.driver import Driver
+from amanda.runtime.pytorch_backward import (
+    install_quick_registration, remove_quick_registration)
 from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
 from amanda.runtime.pytorch_records import _Cache, _StraightThrough
 from amanda.runtime.pytorch_routines import _grad_enabled
@@ -302,6 +304,7 @@ class TorchEagerDriver(Driver):
         ]
         _patch_engine()
         _patch_graph_capture()
+        install_quick_registration()
         if "torch._dynamo" in sys.modules:
             _compile_eagerly()
 
@@ -311,6 +314,7 @@ class TorchEagerDriver(Driver):
         self._handles = []
         _restore_engine()
         _restore_graph_capture()
+        remove_quick_registration()
         _restore_compile()
 
 

@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 
 from amanda.errors import NotInstrumentedWarning, user_stacklevel
 from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
-from amanda.runtime.pytorch_records import _OpRecord, _stable_id
+from amanda.runtime.pytorch_records import (
+    _BACKWARD_LANE, _BEFORE_LANE, _OpRecord, _stable_id)
 from amanda.runtime.pytorch_routines import (
     _analyse, _apply_actions, _check_replacement, _grad_enabled, _output_spec, _replace)
 from amanda.runtime.pytorch_segments import _drop_finished, _in_backward, _state
@@ -26,7 +27,7 @@ from amanda.runtime.pytorch_sites import (
     _CODE_KIND, _CONTROLS, _FUNCS, _NOT_A_POINT, _SITE, _calling_site, _classify, _getframe,
     _sequence_nr, _Tensor)
 from amanda.runtime.pytorch_writes import (
-    _check_view_write, _mark_replaced_views, _mark_viewed, _swapped, _version_of, _write_back,
+    _check_view_write, _mark_replaced_views, _mark_viewed, _swapped, _write_back,
     _write_into_modified, _writes_in_place, _writes_of)
 from amanda.runtime.routines import select
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE
@@ -176,10 +177,14 @@ class _Mode(TorchFunctionMode):
             return result
         if _tracer(st) is not None:
             return _traced_call(st, func, args, kwargs)
+        lane = record.lane
+        if lane is not None and cache.trace is None and _CONTROLS.cache:
+            return _LANES[lane](record, func, args, kwargs)
         return _run_op(cache, record, func, args, kwargs)
 
 
 _get_dispatch_mode = torch._C._get_dispatch_mode
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _PROXY_MODE = torch._C._TorchDispatchModeKey.PROXY
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
 _jit_tracing_state = torch._C._get_tracing_state
@@ -194,10 +199,11 @@ def _tracer(st):
     instrumented model with it: `recording_instrumented_trace`). Checked on
     the slow paths only: an op with nothing to do runs the same traced or
     not."""
-    if _get_dispatch_mode(_PROXY_MODE) is not None:
-        return "an FX tracer (make_fx, torch.export, AOTAutograd)"
-    if _get_dispatch_mode(_FAKE_MODE) is not None:
-        return "fake tensors (FakeTensorMode, torch.export)"
+    if _dispatch_modes():       # (the count includes the proxy and fake modes)
+        if _get_dispatch_mode(_PROXY_MODE) is not None:
+            return "an FX tracer (make_fx, torch.export, AOTAutograd)"
+        if _get_dispatch_mode(_FAKE_MODE) is not None:
+            return "fake tensors (FakeTensorMode, torch.export)"
     if _jit_tracing_state() is not None and not st.instrumented_trace:
         return "torch.jit.trace"
     if _is_exporting():
@@ -363,6 +369,57 @@ def _rebuild_outputs(result, new):
         return tuple(items)
 
 
+# -- the short lanes of the slow path (record.lane; cache on, no trace) -----------
+
+def _backward_lane(record, func, args, kwargs):
+    """Backward points only (a backward op with actions; nothing runs in
+    forward, nothing left to analyse): run the op, hook its new nodes."""
+    mark = _sequence_nr()
+    result = func(*args, **kwargs)
+    if _grad_enabled():
+        nodes = _walk_new_nodes(_op_outputs(result, args), mark, record.owner)
+        record.walked = True
+        record.nodes = _sequence_nr() - mark
+        if nodes:
+            _install_backward(record.session, record, nodes,
+                              lambda: _flatten(args, kwargs)[0])
+    return result
+
+
+def _before_lane(record, func, args, kwargs):
+    """Forward "before" actions only, no backward routines, nothing left to
+    analyse: the op is never walked (see _OpRecord.refresh). Where the
+    arguments sit is found only when a routine replaced one."""
+    tensors = _tensors_of(args, kwargs)
+    if tensors and _writes_in_place(record.name):
+        _check_view_write(tensors, record.where, args)
+    values = list(tensors)
+    if not _apply_actions(record.before, values, record.where):
+        return func(*args, **kwargs)
+    slots = _flatten(args, kwargs)[1]
+    swapped = _swapped(tensors, values, slots, _writes_of(func, args, kwargs))
+    args, kwargs = _rebuild(args, kwargs, slots, values)
+    result = _write_back(swapped, func(*args, **kwargs), record.name)
+    _mark_viewed(swapped, result)
+    return result
+
+
+_LANES = {_BACKWARD_LANE: _backward_lane, _BEFORE_LANE: _before_lane}
+
+
+def _tensors_of(args, kwargs):
+    """The tensors among the arguments, in ``_flatten``'s order."""
+    tensors = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            tensors.append(a)
+        elif isinstance(a, (list, tuple)):
+            tensors.extend([b for b in a if isinstance(b, _Tensor)])
+    if kwargs:
+        tensors.extend([a for a in kwargs.values() if isinstance(a, _Tensor)])
+    return tensors
+
+
 _NOTHING = object()
 
 
@@ -370,42 +427,11 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     session = cache.session
     if not _CONTROLS.cache:
         record = record.fresh()
-    elif (record.pinned and record.pre_done and record.post_done and computed is _NOTHING
-          and not (record.before or record.after or record.replace)
-          and cache.trace is None):
-        # Backward points only (a backward op with actions; nothing runs in
-        # forward, nothing left to analyse): run the op, hook its new nodes.
-        mark = _sequence_nr()
-        result = func(*args, **kwargs)
-        if _grad_enabled():
-            nodes = _walk_new_nodes(_op_outputs(result, args), mark,
-                                    (session.token, record.op_id))
-            record.walked = True
-            record.nodes = _sequence_nr() - mark
-            if nodes:
-                _install_backward(session, record, nodes, lambda: _flatten(args, kwargs)[0])
-        return result
-    elif (record.pinned and not session.has_backward and record.pre_done and record.post_done
-          and computed is _NOTHING and not (record.after or record.replace)
-          and cache.trace is None):
-        # Forward "before" actions only, no backward routines, nothing left to
-        # analyse: the op is never walked (see _OpRecord.refresh).
-        tensors, slots = _flatten(args, kwargs)
-        if tensors and _writes_in_place(record.where[0]):
-            _check_view_write(tensors, record.where, args)
-        originals = list(tensors)
-        if not _apply_actions(record.before, tensors, record.where):
-            return func(*args, **kwargs)
-        swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
-        args, kwargs = _rebuild(args, kwargs, slots, tensors)
-        result = _write_back(swapped, func(*args, **kwargs), record.where[0])
-        _mark_viewed(swapped, result)
-        return result
     where = record.where
     trace = cache.trace
     if (record.before or record.after or record.replace or not record.pre_done
             or not record.post_done or trace is not None):
-        tensors, slots = _flatten(args, kwargs)
+        tensors = _tensors_of(args, kwargs)
     else:
         tensors = None    # found only if a gradient accumulator is to be named
     context = None
@@ -426,10 +452,11 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
     if record.before:
         originals = list(tensors)
         if _apply_actions(record.before, tensors, where):
+            slots = _flatten(args, kwargs)[1]
             swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
             args, kwargs = _rebuild(args, kwargs, slots, tensors)
-    versions = ([_version_of(t) for t in tensors] if record.after and computed is _NOTHING
-                else None)
+    versions = ([None if t.is_inference() else t._version for t in tensors]   # _version_of
+                if record.after and computed is _NOTHING else None)
     mark = _sequence_nr()
     if record.replace:
         action = record.replace[0]
@@ -451,7 +478,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         # (a changed count of new autograd nodes: an input that now requires
         # grad makes backward ops this op did not have before)
         outputs = _op_outputs(result, args)
-        nodes = _walk_new_nodes(outputs, mark, (session.token, record.op_id))
+        nodes = _walk_new_nodes(outputs, mark, record.owner)
         record.walked = True
         record.nodes = _sequence_nr() - mark
         if nodes:
@@ -474,7 +501,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         produced = list(outputs)
         if _apply_actions(record.after, outputs, where):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
-                                 result is None, where[0], slots,
+                                 result is None, where[0], _flatten(args, kwargs)[1],
                                  _writes_of(func, args, kwargs))
             _mark_replaced_views(produced, outputs, tensors)
             if result is not None:
@@ -488,8 +515,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
 def _walk_again(cache, record, args, kwargs, result, mark):
     """The op created other autograd nodes than when it was last walked:
     find them, so a backward op seen for the first time is analysed."""
-    nodes = _walk_new_nodes(_op_outputs(result, args), mark,
-                            (cache.session.token, record.op_id))
+    nodes = _walk_new_nodes(_op_outputs(result, args), mark, record.owner)
     record.nodes = _sequence_nr() - mark
     if nodes:
         _install_backward(cache.session, record, nodes, lambda: _flatten(args, kwargs)[0])

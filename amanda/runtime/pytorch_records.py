@@ -124,7 +124,8 @@ class _BackwardRecord:
 class _OpRecord:
     __slots__ = ("op_id", "name", "func", "module_path", "context", "pre_done", "post_done",
                  "before", "after", "replace", "backward", "walked", "fast", "watch", "session",
-                 "where", "nodes", "spec", "pinned", "kinds")
+                 "where", "nodes", "spec", "pinned", "kinds", "lane", "owner",
+                 "settled")
 
     def __init__(self, session, op_id, name, func, module_path):
         self.session = session
@@ -143,6 +144,9 @@ class _OpRecord:
         self.where = (name, op_id, NAMESPACE)   # for error messages
         self.pinned = False     # a backward op has actions: watched for good (see refresh)
         self.kinds = None       # (node kinds, their records): see backward_records
+        self.owner = (session.token, op_id)   # claims gradient accumulators (the walk)
+        self.lane = None
+        self.settled = False
         self.refresh()
 
     def fresh(self):
@@ -155,8 +159,28 @@ class _OpRecord:
         return self.session.has_backward and not self.walked
 
     def refresh(self):
-        if self.pinned:
-            return
+        if not self.pinned:
+            self._refresh_unpinned()
+        elif self.settled:
+            return      # pinned and analysed: its actions, so its lane, are final
+        self.lane = self._lane()
+        self.settled = self.pinned and self.pre_done and self.post_done
+
+    def _lane(self):
+        """Which short lane of the slow path the op takes while the cache is
+        on (`pytorch_mode._LANES`): only once its actions can no longer
+        change what it does (pinned, analysed before and after), and it
+        replaces nothing after it runs."""
+        if not (self.pinned and self.pre_done and self.post_done) or self.after \
+                or self.replace:
+            return None
+        if not self.before:
+            return _BACKWARD_LANE      # backward points only
+        if not self.session.has_backward:
+            return _BEFORE_LANE        # "before" actions, never walked
+        return None
+
+    def _refresh_unpinned(self):
         # A backward op with actions keeps them (records and their actions
         # are never dropped): its nodes are hooked at every execution, so
         # the op is watched and off the fast path for good.
@@ -231,6 +255,8 @@ def _stable_id(*parts):
 
 
 _COUNT_NODES = 2   # record.fast value: fast, counting the autograd nodes the op creates
+_BACKWARD_LANE = 0  # record.lane values (None: no lane, the whole slow path)
+_BEFORE_LANE = 1
 
 
 class _Cache:

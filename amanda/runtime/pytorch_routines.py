@@ -16,13 +16,15 @@ import torch.autograd.forward_ad as _fwad
 
 from amanda import controls
 from amanda.context import take_actions
-from amanda.errors import ToolError
+from amanda.errors import AmandaError, ToolError
 from amanda.runtime.pytorch_records import _is_tensor, _StraightThrough
 from amanda.runtime.pytorch_sites import _Tensor
-from amanda.runtime.routines import call_routine, invoke, select
+from amanda.runtime.routines import (
+    call_routine, checked_result, invoke, routine_failed, select)
 
 
 _grad_enabled = torch.is_grad_enabled
+_CONTROLS = controls.state
 _set_grad_enabled = torch._C._set_grad_enabled
 _unpack_dual = torch._C._VariableFunctions._unpack_dual
 _interpreter_stack = torch._C._functorch.get_interpreter_stack
@@ -72,12 +74,14 @@ def _invoke(action, selected, where, meta=_meta):
     """Run a routine with autodiff isolation unless it opted in. Amanda is
     disabled meanwhile: a routine's own torch calls are not instrumented
     (inside the mode's handler torch has popped the mode already; the flag
-    covers backward hooks)."""
+    covers backward hooks). ``meta``: see ``call_routine``; None where what
+    the routine returns replaces other tensors than those it received
+    (``replace_backward_op``), so handing one back is no "nothing"."""
     switch = not action.ad and _grad_enabled()
     if switch:
         _set_grad_enabled(False)   # cheaper than a torch.no_grad() object
     # controls.muted(), inlined: this runs once per instrumentation point
-    state = controls.state
+    state = _CONTROLS
     saved = state.disabled
     state.disabled = True
     try:
@@ -85,7 +89,18 @@ def _invoke(action, selected, where, meta=_meta):
         if guard is not None:
             with guard(action, selected, where):
                 return call_routine(action, selected, _is_tensor, where, meta)
-        return call_routine(action, selected, _is_tensor, where, meta)
+        # call_routine, inlined up to the common result (None: observed)
+        try:
+            result = action.func(*selected, **action.kwargs)
+        except AmandaError:
+            raise
+        except Exception as exc:
+            raise routine_failed(action, where, exc) from exc
+        if result is None:
+            return None
+        if meta is not None and len(selected) == 1 and result is selected[0]:
+            return None     # handed back the one tensor it replaces: nothing changes
+        return checked_result(action, selected, result, _is_tensor, where, meta)
     finally:
         state.disabled = saved
         if switch:
@@ -102,7 +117,10 @@ def _apply_actions(actions, values, where):
             selected = values
         else:
             try:
-                selected = [values[p] for p in positions]
+                if len(positions) == 1:
+                    selected = [values[positions[0]]]    # no comprehension: the usual case
+                else:
+                    selected = [values[p] for p in positions]
             except IndexError:
                 selected = select(values, positions, action, where)   # raises the error
         result = _invoke(action, selected, where)

@@ -34,7 +34,12 @@ def invoke(action, args, where):
     except AmandaError:
         raise
     except Exception as exc:
-        raise _error(action, where, f"raised {type(exc).__name__}: {exc}") from exc
+        raise routine_failed(action, where, exc) from exc
+
+
+def routine_failed(action, where, exc):
+    """The :class:`ToolError` for a routine that raised ``exc`` (chain it)."""
+    return _error(action, where, f"raised {type(exc).__name__}: {exc}")
 
 
 def call_routine(action, selected, is_tensor, where, meta=None):
@@ -59,6 +64,12 @@ def call_routine(action, selected, is_tensor, where, meta=None):
     result = invoke(action, selected, where)
     if result is None:
         return None
+    return checked_result(action, selected, result, is_tensor, where, meta)
+
+
+def checked_result(action, selected, result, is_tensor, where, meta=None):
+    """What :func:`call_routine` returns for a routine's ``result`` that is
+    not None (the same checks, for callers that ran the routine themselves)."""
     if type(result) is tuple or type(result) is list:
         if len(result) == len(selected):
             for new, old in zip(result, selected):
