@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from amanda import controls
 from amanda.errors import ToolError
+from amanda.runtime.observation import hosting
 
 # Action kinds. Forward kinds are recorded from forward contexts, backward kinds
 # from backward contexts.
@@ -33,17 +34,21 @@ class Action:
         kwargs: extra keyword arguments passed to ``func``.
         ad: whether the routine is differentiated (``amanda.ad_enabled``).
         tool: the tool whose analysis routine recorded the action.
+        in_run: recorded inside ``hosted_observation()``: an observe-only
+            routine of a graph backend runs inside the run, next to its op,
+            never after it (a routine whose timing matters, e.g. a timer).
     """
 
-    __slots__ = ("kind", "func", "positions", "kwargs", "ad", "tool", "__weakref__")
+    __slots__ = ("kind", "func", "positions", "kwargs", "ad", "tool", "in_run", "__weakref__")
 
-    def __init__(self, kind, func, positions, kwargs, ad, tool):
+    def __init__(self, kind, func, positions, kwargs, ad, tool, in_run=False):
         self.kind = kind
         self.func = func
         self.positions = positions
         self.kwargs = kwargs
         self.ad = ad
         self.tool = tool
+        self.in_run = in_run
 
     def __repr__(self):
         name = getattr(self.func, "__qualname__", repr(self.func))
@@ -276,7 +281,7 @@ class OpContext(dict):
         if positions is not None:
             positions = _normalise_positions(positions, self, kind)
         self._actions.append(Action(kind, func, positions, kwargs,
-                                    controls.state.ad, self._tool))
+                                    controls.state.ad, self._tool, hosting()))
 
     def _error(self, message):
         return ToolError(message, tool=self._tool, routine=self._routine,

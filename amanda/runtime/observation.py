@@ -5,10 +5,16 @@ framework).
 By default an onnxruntime session whose routines only observe, and the
 routines that can only return None at the top level of a TensorFlow
 ``Session.run`` graph, are called after the run on the tensors they read,
-fetched with the run (in program order, on read-only arrays). The scopes
-below change that per thread; the choice is made when a session is created
-(ONNX) or a graph's ops are rewritten (TensorFlow: a scope's first run of a
-graph, or of ops new to it).
+fetched with the run (in program order, on read-only arrays), routines that
+select no tensor included (a counter's ``inputs=[]``). The scopes below
+change that per thread; the choice is made when a session is created (ONNX)
+or a graph's ops are rewritten (TensorFlow: a scope's first run of a graph,
+or of ops new to it).
+
+A routine whose timing matters (a timer, ordered next to its op inside the
+run) declares it by being recorded inside `hosted_observation`: the action
+keeps that choice (`Action.in_run`) on every backend, whatever scope the run
+is in.
 """
 
 from __future__ import annotations
@@ -26,8 +32,19 @@ OBSERVATION_BUDGET = 64 << 20
 def hosted_observation():
     """Run observe-only routines inside the run, next to their ops, on
     copies of their tensors: for routines whose timing matters, or ONNX
-    sessions run with ``run_with_iobinding``/``run_async``."""
+    sessions run with ``run_with_iobinding``/``run_async``.
+
+    Around a run (a TensorFlow graph's rewrite, an onnxruntime session's
+    creation) it hosts every routine; around ``context.insert_*`` in an
+    analysis routine it hosts the actions recorded there, wherever they run
+    (how a timing tool declares itself, e.g. the op profiler)."""
     return swapped(_observation, "hosted", True)
+
+
+def hosting():
+    """Whether `hosted_observation` is active on this thread (read when an
+    action is recorded: `Action.in_run`)."""
+    return getattr(_observation, "hosted", False)
 
 
 def observation_budget(nbytes):
@@ -46,7 +63,7 @@ def observation_budget(nbytes):
 def fetch_budget():
     """The bytes observed routines may fetch now, or None where they must
     be hosted (`hosted_observation`)."""
-    if getattr(_observation, "hosted", False):
+    if hosting():
         return None
     budget = getattr(_observation, "budget", None)
     return OBSERVATION_BUDGET if budget is None else budget

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from amanda import controls
 from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.frontends.onnx import load_model, load_model_file
+from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _original_init, checked_session, run_methods, session_options
@@ -149,13 +150,22 @@ def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs
         return onnx.load(path)
 
 
+def _timed(graph):
+    """Whether a top-level routine of the lowered ``graph`` was recorded inside
+    `hosted_observation` (a timer, `Action.in_run`): the session then hosts its
+    observe-only routines inside the run, all of them, as the scope around its
+    creation would."""
+    return any(op.type == ROUTINE and getattr(op.attrs.get("action"), "in_run", False)
+               for op in graph)
+
+
 def _side_branch_model(hit, options, providers, provider_options, kwargs):
     """Bytes of the optimised model with the observe-only routines attached,
     cached per optimisation level and providers; None if a routine reads a
     tensor that cannot be recomputed (it then runs in the model's dataflow)."""
     graph, model = hit.side
     in_bodies = _bodies_host_routines(graph)
-    fetch = not in_bodies and _fetches(graph)
+    fetch = not in_bodies and not _timed(graph) and _fetches(graph)
     key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
            fetch)
     found = hit.optimised.get(key)

@@ -9,13 +9,16 @@ read-only arrays, once per run in which it would have run as a callback
 arrays are the run's own results (no copy), so the cost per point does not
 grow with the tensor.
 
+A routine that selects no tensor (a counter's ``inputs=[]``) is called
+after the run too, with nothing fetched: it runs when its op does.
+
 Routines stay hosted in the graph (``tensorflow_hosting``) where fetching is
 impossible or would change what runs: in function bodies and ``tf.function``,
 in graphs with v1 control flow (a tensor behind a ``Switch`` may be dead),
 for tensors that cannot leave TensorFlow (resource, variant, string,
-references), for routines that pass no tensor, inside
-`amanda.runtime.observation.hosted_observation` (timing tools), and once the
-observed bytes of a graph exceed `observation_budget`.
+references), for routines recorded or rewritten inside
+`amanda.runtime.observation.hosted_observation` (timing tools: `Action.in_run`),
+and once the observed bytes of a graph exceed `observation_budget`.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ class _Fetched:
     """One routine called after the run."""
 
     __slots__ = ("action", "where", "tensors", "after", "origins", "index", "readers",
-                 "fetch_names", "also_run")
+                 "fetch_names", "also_run", "waits")
 
-    def __init__(self, action, where, tensors, after, origins, index, also_run):
+    def __init__(self, action, where, tensors, after, origins, index, also_run, waits=None):
         self.action = action
         self.where = where
         self.tensors = tensors          # names of the copy's tensors it reads
@@ -58,6 +61,9 @@ class _Fetched:
         self.readers = frozenset()      # copy ops whose execution means it runs
         self.fetch_names = frozenset()  # user tensors whose fetch means it runs
         self.also_run = also_run        # hosted bare before-routines it waits on
+        # (copy ops, user tensor names) that run it whatever the lowered
+        # graph says: a bare after-point's op, its readers and its tensors
+        self.waits = waits or (frozenset(), frozenset())
 
 
 class _Observers:
@@ -87,11 +93,10 @@ class _Observers:
     def takes(self, op, action, inputs, portable):
         """Whether the routine of IR routine ``op`` is called after the run."""
         kind = op.attrs["kind"]
-        if portable or self.v1_flow or kind not in _OBSERVING or not returns_only_none(action.func):
-            return False
-        if not inputs and (action.positions is not None or kind.startswith("after")):
-            # nothing selected on purpose (a timer: ordered by control edges
-            # in the run), or an after-point of an op without outputs
+        if (portable or self.v1_flow or kind not in _OBSERVING or action.in_run
+                or not returns_only_none(action.func)):
+            # in_run: recorded inside hosted_observation() (a timer, ordered
+            # next to its op by control edges in the run)
             return False
         inputs = [t for t in inputs if _crosses_to_python(t.dtype)]
         budget = fetch_budget()
@@ -123,12 +128,16 @@ class _Observers:
                 for o in graph.get_operations())
         if not self.takes(op, action, inputs, portable.is_portable(action.func)):
             return False
-        rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
-        also_run = rewrite._bare_before.get(op.attrs["target"], ())
+        if inputs:
+            rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
+        after = op.attrs["kind"].startswith("after")
+        target = rewrite.copy.get_operation_by_name(op.attrs["target"])
+        also_run = rewrite._bare_before.get(target.name, ())
         self.records[action] = _Fetched(
             action, where, [self._read(rewrite.copy, t) if _crosses_to_python(t.dtype) else None
-                            for t in inputs], op.attrs["kind"].startswith("after"),
-            [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run])
+                            for t in inputs], after,
+            [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run],
+            _bare_after_waits(rewrite, target) if after and not inputs else None)
         tensors = rewrite.realised[action] = list(inputs)
         rewrite._record_final(op, tensors)
         return True
@@ -189,8 +198,8 @@ class _Observers:
             record = self.records.get(action)
             if record is not None:
                 readers, names = reach(ir_op)
-                record.readers = frozenset(readers)
-                record.fetch_names = frozenset(names)
+                record.readers = frozenset(readers) | record.waits[0]
+                record.fetch_names = frozenset(names) | record.waits[1]
             if ir_op.attrs["kind"].startswith("after"):
                 readers, names = after.setdefault(ir_op.attrs["target"], (set(), set()))
                 if record is not None:
@@ -203,7 +212,7 @@ class _Observers:
             # when its op does, and whenever the op's after-points run (a fed
             # placeholder): hosted, it is a control input of both
             record = self.records.get(ir_op.attrs.get("action")) if ir_op.type == ROUTINE else None
-            if record is not None and not record.tensors:
+            if record is not None and not record.tensors and not record.after:
                 readers, names = after.get(ir_op.attrs["target"], ((), ()))
                 record.readers = frozenset(readers) | {ir_op.attrs["target"]}
                 record.fetch_names = frozenset(names)
@@ -281,6 +290,20 @@ def _call_step(record, slots):
         return (functools.partial(func, *args, **kwargs) if args or kwargs else func), None, \
             record
     return (functools.partial(func, **kwargs) if kwargs else func), tuple(slots), record
+
+
+def _bare_after_waits(rewrite, target):
+    """``(copy ops, user tensor names)`` whose execution or fetch runs an
+    after-routine of ``target`` that passes no tensor (``outputs=[]``, or an
+    op without outputs). Hosted, such a routine waits on the op, every
+    reader of the op's outputs or of the op itself waits on it, and a fetch
+    of the op or of its tensors runs it (`_GraphRewrite._order`, ``tensor``,
+    ``operation``): it runs when the op runs, or when a reader reads, or the
+    caller fetches, a fed output of the op."""
+    readers = {target.name}
+    readers.update(c.name for output in target.outputs for c in output.consumers())
+    readers.update(o.name for o in rewrite._waiting_on(target))
+    return frozenset(readers), frozenset(t.name for t in target.outputs)
 
 
 def _nbytes(tensor):

@@ -37,6 +37,11 @@ What a duration measures (see docs/tools/profiler.md):
   trace puts overlapping events on separate lanes; :meth:`OpProfiler.busy_us`
   is the union of the intervals).
 
+The routines are recorded inside
+:func:`amanda.runtime.observation.hosted_observation`: graph backends keep
+them inside the run, next to their ops, rather than calling observe-only
+routines after it (which they do for other tools).
+
 The tool depends on a :class:`~amanda.tools.mapping.MappingTool` with
 :data:`amanda.tools.mapping_rules.RULES` for canonical op types; it only uses
 the public API.
@@ -58,6 +63,7 @@ from collections import defaultdict
 
 import amanda
 from amanda.errors import AmandaError
+from amanda.runtime.observation import hosted_observation
 from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
@@ -168,11 +174,13 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
             # start routine and its consumers for the stop routine
             inputs = context.get_inputs()
             first = [0] if inputs and inputs[0] is not None else []
-            context.insert_before_op(self._onnx_start, inputs=first, info=info)
-            context.insert_after_op(self._onnx_stop, outputs=[0], info=info)
+            with hosted_observation():   # timers: inside the run, next to the op
+                context.insert_before_op(self._onnx_start, inputs=first, info=info)
+                context.insert_after_op(self._onnx_stop, outputs=[0], info=info)
             return
-        context.insert_before_op(self._start, inputs=[], info=info)
-        context.insert_after_op(self._stop, outputs=[], info=info)
+        with hosted_observation():
+            context.insert_before_op(self._start, inputs=[], info=info)
+            context.insert_after_op(self._stop, outputs=[], info=info)
 
     def _backward_analysis(self, context):
         backward_op = context.get_backward_op()
@@ -185,8 +193,9 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
             op_type = context.get("type") or mapping_rules.canonical_type(name, {})
         info = self._new_info(BACKWARD, name, op_type, context, module_path_of(context),
                               _shapes(context.get_grad_outputs()), _producers(backward_op))
-        context.insert_before_backward_op(self._start, grad_outputs=[], info=info)
-        context.insert_after_backward_op(self._stop, grad_inputs=[], info=info)
+        with hosted_observation():
+            context.insert_before_backward_op(self._start, grad_outputs=[], info=info)
+            context.insert_after_backward_op(self._stop, grad_inputs=[], info=info)
 
     # -- instrumentation routines (observe only) ---------------------------------
     def _onnx_start(self, *tensors, info):
