@@ -118,6 +118,7 @@ def torch_state():
             eval_frame._stance.stance, torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             torch._C._is_multithreading_enabled(), torch.cuda.CUDAGraph.capture_begin,
+            "_register_hook" in torch.autograd.Function.__dict__,
             torch._C._get_cpu_allow_fp16_reduced_precision_reduction()
             if hasattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction") else None)
 
