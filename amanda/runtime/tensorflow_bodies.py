@@ -202,6 +202,8 @@ def _warn_xla_compiled(compiled):
 def _origin(ir_tensor):
     """Name of the user tensor behind a chain of routine ops (in a graph
     or a body)."""
-    while ir_tensor.producer.type == ROUTINE:
+    while ir_tensor.producer is not None and ir_tensor.producer.type == ROUTINE:
         ir_tensor = ir_tensor.producer.inputs[ir_tensor.index]
+    if ir_tensor.producer is None:   # a loop's back edge (NextIteration -> Merge)
+        return ir_tensor.attrs.get("back_edge") or ir_tensor.name
     return f"{ir_tensor.producer.name}:{ir_tensor.index}"

@@ -189,7 +189,7 @@ def _shaped(tensor, shape):
     return tf.ensure_shape(tensor, shape)
 
 
-def _observer(action, where, count, hosted, dtypes):
+def _observer(action, where, count, hosted, dtypes, spread=None, fixed=()):
     """The callback of a before/after routine.
 
     It receives the hosted tensors (read-only arrays; the others are None to
@@ -197,18 +197,34 @@ def _observer(action, where, count, hosted, dtypes):
     hosted tensor: where the flag is False the graph lets the original
     tensor flow on and the array (a 0-d placeholder) is never read, so an
     observing routine feeds nothing of its own into the graph.
+
+    Args:
+        spread: ``arrays -> the routine's selection``, where the callback
+            receives something else than the hosted tensors (a view of a
+            point with dead tensors, `tensorflow_liveness.spread_live`).
+        fixed: selected positions the routine may not replace (a loop's
+            back edge); handing back the array it received keeps them.
     """
     kept = [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
+    unhosted = _UNHOSTED if spread is None else _UNHOSTED + " or is dead in this run"
+    if spread is None:
+        spread = lambda arrays: host.spread(count, hosted, arrays)  # noqa: E731
 
     def run(arrays):
-        new = host.observe(action, where, host.spread(count, hosted, map(_read_only, arrays)),
-                           hosted, _UNHOSTED)
+        values = spread([_read_only(a) for a in arrays])
+        new = host.observe(action, where, values, hosted, unhosted)
         if not hosted:
             return [np.int32(0)]
         if new is None:
             return kept
         flags, arrays_out = [], []
-        for replacement, placeholder in zip(new, kept[len(hosted):]):
+        for i, replacement, placeholder in zip(hosted, new, kept[len(hosted):]):
+            if replacement is values[i]:     # its own read-only array: nothing changed
+                replacement = None
+            if replacement is not None and i in fixed:
+                raise _tool_error(action, where, f"returned a replacement at selected position "
+                                  f"{i}, a loop's value from its previous iteration, which "
+                                  "only the loop's Merge may read: routines observe it")
             flags.append(np.bool_(replacement is not None))
             # a copy: the routine may keep its array and change it later,
             # while TensorFlow still reads it

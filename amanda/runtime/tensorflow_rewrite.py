@@ -20,6 +20,8 @@ from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TW
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
                                                _observer, _replacer, _shaped, _tool_error,
                                                _user_stacklevel)
+from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flow, live_feed,
+                                                refuse_replacing)
 from amanda.runtime.tensorflow_observe import _Observers, _reaches
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
 from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact
@@ -349,6 +351,7 @@ class _GraphRewrite:
     def _realise(self, lowered):
         made = {}  # IR routine op -> its tensors in the copy
         self._control_users = None
+        self._v1_flow = None        # whether the user's graph has v1 control flow (asked once)
         with self.copy.as_default():
             for op in lowered.ops:
                 if op.type == ROUTINE:
@@ -361,6 +364,8 @@ class _GraphRewrite:
 
     def _tensor_in_copy(self, ir_tensor, made):
         producer = ir_tensor.producer
+        if producer is None and ir_tensor.attrs.get("back_edge"):   # a loop's NextIteration
+            return self.copy.get_tensor_by_name(ir_tensor.attrs["back_edge"])
         if producer is None:
             raise BackendError(f"tensor {ir_tensor.name!r} has no producer in the TF graph")
         if producer.type == ROUTINE:
@@ -395,6 +400,8 @@ class _GraphRewrite:
             self._record_final(op, tensors)
             return tensors
         hosted = [i for i, t in enumerate(like) if _crosses_to_python(t.dtype)]
+        if replacing and refuse_replacing(target, op.attrs["kind"]):
+            raise BackendError(refuse_replacing(target, op.attrs["kind"]))
         if replacing and (len(hosted) != len(like) or len(inputs) != len(
                 [t for t in inputs if _crosses_to_python(t.dtype)])):
             raise BackendError(f"replace routine of {where[1]!r}: TensorFlow can only host "
@@ -411,21 +418,29 @@ class _GraphRewrite:
             tensors = [_shaped(new, old.shape) for new, old in zip(tensors, like)]
         elif not hosted:   # nothing to pass: a bare callback ordered by control edges
             func = _observer(action, where, len(inputs), hosted, [])
-            routine = _numpy_function(self.copy, func, [tf.constant(0)], [tf.int32], stateful=True,
+            if self._v1_flow is None:
+                self._v1_flow = has_v1_control_flow(self.user_graph)
+            trigger = bare_trigger(target, op.attrs["kind"], self._v1_flow)
+            routine = _numpy_function(self.copy, func, [trigger], [tf.int32], stateful=True,
                                         name=name)[0].op
             self._order(op.attrs["kind"], target, routine)
             tensors = list(like)
         else:
             dtypes = [like[i].dtype for i in hosted]
+            # before a Merge and after a Switch, a view live when the op runs
+            feed, spread, looped = live_feed(
+                self.copy, self.user_graph.get_operation_by_name(target.name), op.attrs["kind"],
+                [_origin(t) for t in op.inputs], inputs, hosted)
             func = _observer(action, where, len(inputs), hosted,
-                             [d.as_numpy_dtype for d in dtypes])
-            results = _numpy_function(self.copy, func, [inputs[i] for i in hosted],
+                             [d.as_numpy_dtype for d in dtypes], spread, looped)
+            results = _numpy_function(self.copy, func, feed,
                                         [tf.bool] * len(hosted) + dtypes, stateful=True,
                                         name=name)
             routine = results[0].op
             tensors = list(like)
             for i, flag, new in zip(hosted, results, results[len(hosted):]):
-                tensors[i] = _chosen(like[i], new, flag)
+                if i not in looped:
+                    tensors[i] = _chosen(like[i], new, flag)
         if routine is not None:
             self.observers.ran_by[action] = [routine.name]
             origins = [self.copy.get_tensor_by_name(_origin(t)) for t in op.inputs]
@@ -514,7 +529,8 @@ class _GraphRewrite:
         for op in waiting:
             # earlier routines of the chain wait on the op too: they must not
             # wait on this one as well (a cycle)
-            if op is not routine and op.name not in self._bare_after:
+            if (op is not routine and op.name not in self._bare_after
+                    and op not in (t.op for t in routine.inputs)):   # its trigger waits on the op
                 op._add_control_input(routine)
         self._bare_after.add(routine.name)
         self.last_after[target.name] = routine
@@ -570,7 +586,8 @@ class _GraphRewrite:
                               "integer constant TensorFlow needs when it builds the graph; "
                               "routines may read such constants but not replace them "
                               "(docs/tensorflow.md)")
-        check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
+        with tf.control_dependencies([old.op]):   # its constants in the op's loop frame
+            check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
         # used as a control input: without this TensorFlow logs "Object was
         # never used" into the user's stderr when the copy is collected
         getattr(check, "mark_used", lambda: None)()

@@ -168,8 +168,8 @@ def test_v1_control_flow_keeps_them_hosted_and_counting():
                                        tf.math.sin(yes, name="sin")], name="merge")[0]
         init = tf.no_op()
     runs = [(out, {x: np.ones(2, np.float32)}), (out, {x: -np.ones(2, np.float32)})]
-    # (no observer of the Merge's inputs: hosted, one reading the dead
-    # branch's tensor fails the run, with or without this change)
+    # (no observer of the Merge's inputs: routines on dead tensors are
+    # tests/tensorflow/test_dead_tensors_tf.py's)
     (taken, other), callbacks = _logged(graph, init, runs, contextlib.nullcontext, look=False)
     uncached, _ = _logged(graph, init, runs, amanda.cache_disabled, look=False)
     assert len(callbacks) == 2 * len(graph.get_operations())   # all hosted
