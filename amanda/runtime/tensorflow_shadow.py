@@ -16,6 +16,7 @@ from tensorflow.python.util import nest
 from amanda import controls
 from amanda.errors import BackendError, NotBitExactWarning, user_stacklevel
 from amanda.runtime.tensorflow_hosting import _surface
+from amanda.runtime.tensorflow_observe import _executed
 from amanda.runtime.tensorflow_probes import _SessionProbe, _original_run
 from amanda.runtime.tensorflow_rewrite import _GraphRewrite
 from amanda.runtime.tensorflow_variables import _VariableSync
@@ -187,22 +188,19 @@ def _holds_session_state(op):
 def session_state_ops(elements, fed):
     """``(ops holding session state, stateful random ops)``, names sorted,
     among the ops a run of ``elements`` (tensors and ops of one graph)
-    executes: their ancestors through data and control inputs, not above a
-    tensor named in ``fed``."""
-    held, random = set(), set()
-    seen = set()
-    stack = [e if isinstance(e, tf.Operation) else e.op for e in elements]
-    while stack:
-        op = stack.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
+    executes (`tensorflow_observe._executed`: their ancestors through data
+    and control inputs, not above a tensor named in ``fed``, and a fetched
+    tensor that is fed runs nothing)."""
+    if not elements:
+        return [], []
+    graph = elements[0].graph
+    held, random = [], []
+    for name in _executed(elements, fed):
+        op = graph.get_operation_by_name(name)
         if op.type in _RANDOM:
-            random.add(op.name)
+            random.append(name)
         elif _holds_session_state(op):
-            held.add(op.name)
-        stack.extend(t.op for t in op.inputs if t.name not in fed)
-        stack.extend(op.control_inputs)
+            held.append(name)
     return sorted(held), sorted(random)
 
 

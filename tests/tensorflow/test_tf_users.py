@@ -116,6 +116,25 @@ def test_an_input_pipeline_fed_through_the_iterators_output_runs_instrumented():
     session.close()
 
 
+def test_fetching_the_fed_output_of_an_iterator_runs_no_iterator_and_is_not_refused():
+    """A fetched tensor that is fed runs nothing (TF answers the fed value):
+    the refusal looks only at what the run executes (the walk the observers'
+    plan uses, `tensorflow_observe._executed`), so fetching ``batch`` while
+    feeding it is answered as outside apply and the iterator does not move."""
+    def build():
+        it = tf1.data.make_one_shot_iterator(tf.data.Dataset.range(6).map(
+            lambda v: tf.cast(v, tf.float32)))
+        batch = it.get_next()
+        return (batch, tf.square(batch, name="y")), None
+    session, (batch, y) = _session(build)
+    plain = session.run([batch, y], {batch: 4.0})
+    with amanda.apply(Count()):
+        got = session.run([batch, y], {batch: 4.0})
+    assert [float(v) for v in got] == [float(v) for v in plain] == [4.0, 16.0]
+    assert float(session.run(batch)) == 0.0     # the iterator did not move
+    session.close()
+
+
 def _random(stateless):
     def build():
         tf1.set_random_seed(1)
