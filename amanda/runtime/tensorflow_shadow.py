@@ -15,6 +15,7 @@ from tensorflow.python.util import nest
 
 from amanda import controls
 from amanda.errors import BackendError, NotBitExactWarning, user_stacklevel
+from amanda.runtime.tensorflow_callables import _Callables
 from amanda.runtime.tensorflow_hosting import _surface
 from amanda.runtime.tensorflow_observe import _executed
 from amanda.runtime.tensorflow_probes import _SessionProbe, _original_run
@@ -39,6 +40,7 @@ class _Shadow:
         # (copy version, {(fetch names, fed names): (session-state ops, random ops)})
         self._state = (None, {})
         self._warned_random = set()
+        self._callables = _Callables()   # the runs without options, through callables
 
     def refresh(self, feed_dict):
         if self.user_graph.version != self.rewrite.version:
@@ -54,6 +56,7 @@ class _Shadow:
         if self.session is not None:
             self.session.close()
             self.session = None
+            self._callables = _Callables()
             self.sync.forget()
 
     def run(self, fetches, feed_dict, options, run_metadata):
@@ -75,8 +78,16 @@ class _Shadow:
             self._check_state(mapped, feeds)
             self.sync.writes.ran(mapped)
             with _surface():
-                values = _original_run(self.session, [*mapped, *extra, *targets], feeds or None,
-                                       options, run_metadata)
+                values = None
+                if options is None and run_metadata is None:
+                    n = len(tensors)
+                    fetched = self._callables.run(self.session, [*mapped[:n], *extra], feeds,
+                                                  [*mapped[n:], *targets])
+                    if fetched is not None:   # laid out as Session.run's: None per op
+                        values = [*fetched[:n], *[None] * (len(mapped) - n), *fetched[n:]]
+                if values is None:
+                    values = _original_run(self.session, [*mapped, *extra, *targets],
+                                           feeds or None, options, run_metadata)
             if calls:   # observe-only routines, after the run (tensorflow_observe)
                 observers.call(calls, values[len(mapped):len(mapped) + len(extra)])
         return handler.build_results(self.user_session, values[:len(tensors)])
@@ -128,10 +139,12 @@ class _Shadow:
         for key, value in nest.flatten_dict_items(feed_dict).items():
             for subkey, subvalue in _expand_feed(key, value):
                 tensor = self._cached(("feed", subkey), self._feed_tensor, subkey)
+                if not self.user_graph.is_feedable(tensor):   # the copy does not know
+                    raise ValueError(f"Tensor {tensor.name} may not be fed.")
                 feeds[self._cached(("copy", tensor.name), self._feed_key, tensor)] = subvalue
                 try:
                     fed[tensor.ref()] = np.asarray(subvalue, tensor.dtype.as_numpy_dtype)
-                except (TypeError, ValueError):
+                except Exception:   # noqa: BLE001 (a tf.Tensor, an int too large, ...)
                     pass   # the run of the copy reports it, as TF would
         return feeds, fed
 
