@@ -48,7 +48,7 @@ def one_live_side(user_op, kind):
     return [t.name for t in getattr(user_op, side)]
 
 
-def live_feed(copy, user_op, kind, selected, inputs, hosted):
+def live_feed(resolve, user_op, kind, selected, inputs, hosted, is_back_edge):
     """What the callback of a routine at point ``kind`` of ``user_op``
     reads: ``(tensors, spread, looped)``, ``spread`` making the routine's
     selection from them (None: they are the hosted tensors themselves) and
@@ -56,20 +56,23 @@ def live_feed(copy, user_op, kind, selected, inputs, hosted):
     members = one_live_side(user_op, kind)
     if members is None:
         return [inputs[i] for i in hosted], None, ()
-    feed, positions, looped = live_view(copy, members, selected, inputs)
+    feed, positions, looped = live_view(resolve, members, selected, inputs, is_back_edge)
     return feed, functools.partial(spread_live, len(inputs), hosted, positions), looped
 
 
-def live_view(copy, members, selected, inputs):
+def live_view(resolve, members, selected, inputs, is_back_edge):
     """The view a routine reads at a point with dead tensors.
 
     Args:
-        copy: the graph being built.
+        resolve: user tensor name -> the copy's tensor (a stand-in for a
+            loop's back edge not built yet).
         members: names of the op's tensors at the point (`one_live_side`).
         selected: the names of the user's tensors behind the routine's
             selection, in order.
         inputs: the routine's selection in the copy (results of earlier
             routines, possibly), in order.
+        is_back_edge: tensor -> whether it is a ``NextIteration``'s output
+            (or stands in for one).
 
     Returns:
         ``([value, index], positions, looped)``: the live tensor and its
@@ -79,16 +82,15 @@ def live_view(copy, members, selected, inputs):
         output, which only the ``Merge`` itself may read: TensorFlow allows
         no other cycle), whose routine results must be the original tensor.
     """
-    tensors = [copy.get_tensor_by_name(name) for name in members]
+    tensors = [resolve(name) for name in members]
     positions = []
     for name, tensor in zip(selected, inputs):
         position = members.index(name)
         tensors[position] = tensor      # what earlier routines handed on
         positions.append(position)
-    with tf.name_scope("amanda/live"):
+    with tf.name_scope("live"):
         merged = tf.raw_ops.Merge(inputs=tensors)
-    looped = [j for j, tensor in enumerate(tensors[p] for p in positions)
-              if tensor.op.type in ("NextIteration", "RefNextIteration")]
+    looped = [j for j, tensor in enumerate(tensors[p] for p in positions) if is_back_edge(tensor)]
     return [merged.output, merged.value_index], positions, looped
 
 
@@ -119,7 +121,7 @@ def has_v1_control_flow(graph):
     return any(op.type in _V1_CONTROL for op in graph.get_operations())
 
 
-def bare_trigger(target, kind, v1_flow=True):
+def bare_trigger(target, kind, v1_flow=True, gate=list):
     """The input of a routine that passes no tensor (ordered by control
     edges): a scalar computed exactly when the routine is to run, in the op's
     loop frame (TensorFlow refuses an op whose inputs come from two frames).
@@ -127,6 +129,8 @@ def bare_trigger(target, kind, v1_flow=True):
     Args:
         v1_flow: whether the graph has v1 control flow; without it every op
             runs in one frame, and a constant is the trigger.
+        gate: ops -> what to hand ``tf.control_dependencies`` for them
+            (`amanda.runtime.tensorflow_emit.Emitter.gate`).
 
     Returns:
         The routine's input (the routine is also a control input of a
@@ -135,10 +139,10 @@ def bare_trigger(target, kind, v1_flow=True):
     if not v1_flow:   # every tensor is live, one frame: a constant does
         return tf.constant(0)
     if not kind.startswith("before"):
-        with tf.control_dependencies([target]):    # live when the op ran
+        with tf.control_dependencies(gate([target])):    # live when the op ran
             return tf.constant(0)
     if target.type in ("Merge", "RefMerge"):   # its inputs are dead but one: a view
-        with tf.name_scope("amanda/live"):
+        with tf.name_scope("live"):
             return tf.raw_ops.Merge(inputs=list(target.inputs)).value_index
     # a data input carries the branch's liveness: a control edge from a
     # Switch is live on both sides
@@ -146,5 +150,5 @@ def bare_trigger(target, kind, v1_flow=True):
     if readable:
         return tf.raw_ops.Rank(input=readable[0])   # tf.rank folds a known rank
     # v1 variable references (never behind a Switch) or no input at all
-    with tf.control_dependencies([t.op for t in target.inputs] + list(target.control_inputs)):
+    with tf.control_dependencies(gate([t.op for t in target.inputs] + list(target.control_inputs))):
         return tf.constant(0)

@@ -131,7 +131,7 @@ class _Observers:
         if inputs:
             rewrite.hosted = True   # a fetched tensor may stop Grappler's rewrites too
         after = op.attrs["kind"].startswith("after")
-        target = rewrite.copy.get_operation_by_name(op.attrs["target"])
+        target = rewrite.user_graph.get_operation_by_name(op.attrs["target"])
         also_run = rewrite._bare_before.get(target.name, ())
         self.records[action] = _Fetched(
             action, where, [self._read(rewrite.copy, t) if _crosses_to_python(t.dtype) else None
@@ -147,7 +147,7 @@ class _Observers:
         name = self._reads.get(tensor.name)
         if name is None:
             with copy.as_default():
-                name = self._reads[tensor.name] = tf.identity(tensor, name="amanda/observed").name
+                name = self._reads[tensor.name] = tf.identity(tensor, name="observed").name
         return name
 
     def link(self, lowered):
@@ -341,22 +341,3 @@ def _executed(mapped, fed_names):
             if control.name not in seen:
                 stack.append(control)
     return frozenset(seen)
-
-
-def _reaches(start, inputs, limit=10000):
-    """Whether ``start`` is an ancestor of one of ``inputs`` (an edge from
-    the routine reading them to ``start`` would close a cycle); also True
-    when the search gives up after ``limit`` ops."""
-    goals = {t.op for t in inputs}
-    seen, stack = {start}, [start]
-    while stack:
-        op = stack.pop()
-        if op in goals or len(seen) > limit:
-            return True
-        followers = [c for out in op.outputs for c in out.consumers()]
-        followers += op._control_outputs
-        for follower in followers:
-            if follower not in seen:
-                seen.add(follower)
-                stack.append(follower)
-    return False

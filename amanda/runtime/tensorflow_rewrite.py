@@ -1,5 +1,6 @@
-"""TensorFlow graph mode: the instrumented copy of a graph (`_GraphRewrite`)
-and of a function body in it (`_BodyRewrite`).
+"""TensorFlow graph mode: the instrumented copy of a graph (`_GraphRewrite`),
+lowered from the instrumented IR op by op (`amanda.runtime.tensorflow_emit`);
+function bodies in it are `amanda.runtime.tensorflow_body_rewrite._BodyRewrite`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning
 from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.routines import call_routine
-from amanda.runtime.tensorflow_bodies import (_BodyProbe, _Library, _STATEFUL_TWIN, _body_names,
+from amanda.runtime.tensorflow_bodies import (_Library, _STATEFUL_TWIN,
                                               _called_functions, _gradient_body,
-                                              _prefixed_body, _origin, _warn_xla_compiled,
+                                              _origin, _warn_xla_compiled,
                                               _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
                                                _observer, _replacer, _shaped, _tool_error,
                                                _user_stacklevel)
+from amanda.runtime.tensorflow_emit import Emitter
 from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flow, live_feed,
                                                 refuse_replacing)
-from amanda.runtime.tensorflow_observe import _Observers, _reaches
+from amanda.runtime.tensorflow_observe import _Observers
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
 from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact
 
@@ -31,100 +33,6 @@ def _structural_constant(tensor):
     """Whether ``tensor`` is an integer constant of the graph (shapes, axes,
     sizes): its value is part of the graph's structure."""
     return tensor.op.type == "Const" and tensor.dtype.is_integer
-
-
-class _BodyRewrite:
-    """One function body, instrumented: a `_GraphRewrite` of the body's
-    graph, and the FunctionDef realising it (None when no routine landed in
-    it nor in a body nested in it: the call keeps the user's function).
-
-    The body's ops are imported under ``prefix`` (``"while/body"``) into a
-    graph of their own, so their names are their point ids and ``get_op()``
-    is the op of that graph; the copy keeps those names, and the new
-    function's signature is the original one (same arguments, same results,
-    in order).
-    """
-
-    def __init__(self, holder, label, fdef, library, amanda_session, outer_probe,
-                 gradient_of=None):
-        from tensorflow.python.framework.func_graph import FuncGraph
-        self.holder = holder
-        self.prefix = prefix = f"{holder}/{label}"
-        self.original = fdef
-        user, inputs, outputs = _prefixed_body(prefix, fdef, library)
-        self.user = user
-        self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
-        self.rewrite.scope = prefix   # gradient ops mapped by their names in the function
-        self.rewrite.gradient_of = gradient_of
-        self.rewrite.whole = False
-        self.rewrite.refresh(_BodyProbe(outer_probe, prefix))
-        self.fdef = None
-        if self.rewrite.realised or any(b.fdef is not None for b in self.rewrite.bodies):
-            self.fdef = self._function(inputs, outputs)
-
-    def forward_names(self):
-        """{name a gradient scope may give a forward op of this body: its id}.
-
-        Gradient scopes name an op as it was when the body was traced; a
-        FunctionDef may have renamed the node (``mul`` -> ``mul_0`` where an
-        output is called ``mul``), which its ``ret`` map records."""
-        names = {}
-        for node in self.original.node_def:
-            names[node.name] = f"{self.prefix}/{node.name}"
-        for output, source in self.original.ret.items():
-            node = source.split(":")[0]
-            if node in names:
-                names.setdefault(output, names[node])
-        return names
-
-    def functions(self):
-        """This body's FunctionDef and those of the bodies nested in it."""
-        found = [self.fdef]
-        for body in self.rewrite.bodies:
-            if body.fdef is not None:
-                found.extend(body.functions())
-        return found
-
-    def _function(self, inputs, outputs):
-        from tensorflow.python.framework.graph_to_function_def import graph_to_function_def
-        copy, rewrite = self.rewrite.copy, self.rewrite
-        ins = [copy.get_tensor_by_name(name) for name in inputs]
-        outs = [rewrite.tensor(name) for name in outputs]
-        user_ops = {op.name for op in self.user.get_operations()}
-        routines = [op for op in copy.get_operations()
-                    if op.name not in user_ops and op._is_stateful]
-        if routines and outs:
-            # the body's results wait on every routine: a routine on an
-            # argument (or after an op whose result is not returned) is tied
-            # to nothing else, and a lowered If would drop it with the
-            # branch's control outputs unless something read them
-            with copy.as_default():
-                done = tf.raw_ops.NoOp(name="amanda/routines_done")
-                for routine in routines:
-                    done._add_control_input(routine)
-                outs = [tf.identity(t, name="amanda/result") for t in outs]
-            for out in outs:
-                out.op._add_control_input(done)
-        original = self.original
-        fdef = graph_to_function_def(copy, copy.get_operations(), ins, outs,
-                                     [a.name for a in original.signature.output_arg])
-        fdef.signature.name = f"{original.signature.name}_amanda_{next(_body_names)}"
-        fdef.signature.is_stateful = True
-        for key in original.attr:
-            fdef.attr[key].CopyFrom(original.attr[key])
-        for index in original.arg_attr:
-            fdef.arg_attr[index].CopyFrom(original.arg_attr[index])
-        # ops that must run though no result needs them: the user's own (a
-        # variable update) and every routine, which only a control edge may
-        # tie to the body (a routine on an argument, or after an op whose
-        # result is not returned)
-        kept = {f"{self.prefix}/{node}" for node in original.control_ret.values()}
-        kept.update(op.name for op in routines)
-        for k, name in enumerate(sorted(kept)):
-            label = f"amanda_keep_{k}"
-            fdef.signature.control_output.append(label)
-            fdef.control_ret[label] = name
-        return fdef
 
 
 def _numpy_function(graph, func, *args, **kwargs):
@@ -185,6 +93,13 @@ class _GraphRewrite:
         self.whole = True           # a whole program (graph tools get it), not a function body
         self.scope = None           # a body's ops are named '<scope>/<node>'
         self.observers = _Observers()   # routines called after Session.run (off unless enabled)
+        self.emitter = Emitter(self)    # the user's ops not yet in the copy
+        self._reads = {}            # variable-read op name -> hosted routines reading its value
+        self._after_ops = {}        # op name -> ops of its after-routines that pass tensors
+        self._checks = {}           # op name -> kept-constant checks it waits on
+        self._ir_ops = {}           # op name -> its IR op (while realising)
+        self._made = None
+        self._fetches = {}          # user tensor name -> what a fetch of it reads
 
     def refresh(self, probe=None):
         """Bring the copy up to date with the user's graph.
@@ -223,19 +138,17 @@ class _GraphRewrite:
         through an identity that waits for them, so fetching it runs them too
         (a fetched gradient has no consumer that would wait on them).
         """
-        final = self.final.get(name)
-        if final is not None:
-            return final
-        tensor = self.copy.get_tensor_by_name(name)
-        last = self.last_after.get(tensor.op.name)
+        found = self._fetches.get(name)
+        if found is not None:
+            return found
+        tensor = self.final.get(name)
+        if tensor is None:
+            tensor = self.copy.get_tensor_by_name(name)
+        last = self.last_after.get(name.split(":")[0])
         if last is not None:
-            with self.copy.as_default():
+            with self.copy.as_default(), tf.control_dependencies(self.emitter.gate([last])):
                 tensor = tf.identity(tensor, name="amanda/fetch")
-            # the edge goes on the new identity only: tf.control_dependencies
-            # would also set an attribute on `last`, which may already have run
-            # in a session (TF then warns that the mutation has no effect)
-            tensor.op._add_control_input(last)
-            self.final[name] = tensor
+        self._fetches[name] = tensor
         return tensor
 
     def operation(self, name):
@@ -254,20 +167,10 @@ class _GraphRewrite:
         # the nodes are copies (as_graph_def): calls of instrumented bodies
         # are redirected here, before they reach the copy
         added = self._instrument_bodies(new_nodes, graph_def.library)
-        new_names = {node.name for node in new_nodes}
-        input_map = {}
-        for node in new_nodes:
-            for name in node.input:
-                op_name = name.lstrip("^").split(":")[0]
-                if op_name not in new_names:
-                    input_map[name] = self._copy_element(name)
-        part = tf.compat.v1.GraphDef()
-        part.versions.CopyFrom(graph_def.versions)
-        part.library.CopyFrom(graph_def.library)
-        part.library.function.extend(added)
-        part.node.extend(new_nodes)
-        with self.copy.as_default():
-            tf.import_graph_def(part, input_map=input_map, name="")
+        library = tf.compat.v1.GraphDef().library
+        library.CopyFrom(graph_def.library)
+        library.function.extend(added)
+        self.emitter.add(new_nodes, graph_def.versions, library)   # created in _realise
 
     def _instrument_bodies(self, nodes, library):
         """Instrument the function bodies called by ``nodes`` (in place).
@@ -281,6 +184,7 @@ class _GraphRewrite:
         Returns:
             The new FunctionDefs (nested ones included) for the library.
         """
+        from amanda.runtime.tensorflow_body_rewrite import _BodyRewrite
         fdefs = {f.signature.name: f for f in library.function}
         functions = _Library(library)
         added = []
@@ -349,23 +253,33 @@ class _GraphRewrite:
         return outputs[int(index or 0)]
 
     def _realise(self, lowered):
-        made = {}  # IR routine op -> its tensors in the copy
-        self._control_users = None
+        made = self._made = {}  # IR routine op -> its tensors in the copy
         self._v1_flow = None        # whether the user's graph has v1 control flow (asked once)
-        with self.copy.as_default():
-            for op in lowered.ops:
-                if op.type == ROUTINE:
-                    if op not in made:      # else made on demand by a reader
-                        made[op] = self._routine(op, made)
-                else:
-                    self._rewire(op, made)
-        self._control_users = None
+        self._ir_ops = {op.name: op for op in lowered.ops if op.type != ROUTINE}
+        self._read_by = {}  # variable-read op name -> IR routines reading its value
+        for op in lowered.ops:
+            if op.type == ROUTINE and op.attrs["action"] not in self.realised:
+                for origin in {_origin(t).split(":")[0] for t in op.inputs}:
+                    if _reads_variable(self.user_graph.get_operation_by_name(origin)):
+                        self._read_by.setdefault(origin, []).append(op)
+        emitter = self.emitter
+        try:
+            with self.copy.as_default():
+                for op in lowered.ops:
+                    if op.type == ROUTINE:
+                        if op not in made:      # else made on demand by a reader
+                            made[op] = self._routine(op, made)
+                    elif op.name in emitter.pending:
+                        emitter.create(op.name)
+                emitter.finish()
+        finally:
+            self._ir_ops, self._made = {}, None
         self.observers.link(lowered)
 
     def _tensor_in_copy(self, ir_tensor, made):
         producer = ir_tensor.producer
         if producer is None and ir_tensor.attrs.get("back_edge"):   # a loop's NextIteration
-            return self.copy.get_tensor_by_name(ir_tensor.attrs["back_edge"])
+            return self.emitter.forward(ir_tensor.attrs["back_edge"])
         if producer is None:
             raise BackendError(f"tensor {ir_tensor.name!r} has no producer in the TF graph")
         if producer.type == ROUTINE:
@@ -375,91 +289,134 @@ class _GraphRewrite:
                 # come before the forward op's routine whose results it reads
                 made[producer] = self._routine(producer, made)
             return made[producer][ir_tensor.index]
-        return self.copy.get_operation_by_name(producer.name).outputs[ir_tensor.index]
+        return self.emitter.element(f"{producer.name}:{ir_tensor.index}")
 
     def _routine(self, op, made):
-        action = op.attrs["action"]
-        tensors = self.realised.get(action)
+        tensors = self.realised.get(op.attrs["action"])
         if tensors is not None:
             return tensors
-        target = self.copy.get_operation_by_name(op.attrs["target"])
-        where = (target.type, target.name, NAMESPACE)
+        # its ops are named under "amanda/": a user op, created later under
+        # its own name, must find that name free
+        with tf.name_scope("amanda/"):
+            return self._build_routine(op, made)
+
+    def _build_routine(self, op, made):
+        action = op.attrs["action"]
+        kind = op.attrs["kind"]
+        user_target = self.user_graph.get_operation_by_name(op.attrs["target"])
+        name = user_target.name
+        where = (user_target.type, name, NAMESPACE)
         if action.ad:
-            raise BackendError(f"{action.kind} of {where[1]!r}: amanda.ad_enabled() actions "
+            raise BackendError(f"{action.kind} of {name!r}: amanda.ad_enabled() actions "
                                "cannot be differentiated in TensorFlow graph mode (the "
                                "gradient ops are already built)")
         inputs = [self._tensor_in_copy(t, made) for t in op.inputs]
-        replacing = op.attrs["kind"].startswith("replace")
-        like = list(target.outputs) if replacing else inputs
+        replacing = kind.startswith("replace")
+        like = ([self.emitter.element(t.name) for t in user_target.outputs] if replacing
+                else inputs)
         if self.observers.fetch(self, op, action, where, inputs):
             return self.realised[action]
+        waits = self._routine_waits(op)
         if portable.is_portable(action.func):
-            tensors = self._native(action, where, inputs, like, replacing, target)
-            self.observers.ran_by[action] = [t.op.name for t, o in zip(tensors, like) if t is not o]
+            with tf.control_dependencies(self.emitter.gate(waits)):
+                tensors = self._native(action, where, inputs, like, replacing, user_target)
+            changed = [t for t, o in zip(tensors, like) if t is not o]
+            self.observers.ran_by[action] = [t.op.name for t in changed]
+            if kind.startswith("after"):
+                self._after_ops.setdefault(name, []).extend(t.op for t in changed)
             self.realised[action] = tensors
             self._record_final(op, tensors)
             return tensors
         hosted = [i for i, t in enumerate(like) if _crosses_to_python(t.dtype)]
-        if replacing and refuse_replacing(target, op.attrs["kind"]):
-            raise BackendError(refuse_replacing(target, op.attrs["kind"]))
+        if replacing and refuse_replacing(user_target, kind):
+            raise BackendError(refuse_replacing(user_target, kind))
         if replacing and (len(hosted) != len(like) or len(inputs) != len(
                 [t for t in inputs if _crosses_to_python(t.dtype)])):
-            raise BackendError(f"replace routine of {where[1]!r}: TensorFlow can only host "
+            raise BackendError(f"replace routine of {name!r}: TensorFlow can only host "
                                "routines over numeric tensors, not resource handles")
-        name = f"amanda/{action.kind}"
+        label = action.kind
         self.hosted = True
         if replacing:
             func = _replacer(action, where, [t.shape for t in like],
                              [t.dtype.as_numpy_dtype for t in like])
-            tensors = _numpy_function(self.copy, func, inputs, [t.dtype for t in like], stateful=True,
-                                        name=name)
+            with tf.control_dependencies(self.emitter.gate(waits)):
+                tensors = _numpy_function(self.copy, func, inputs, [t.dtype for t in like],
+                                          stateful=True, name=label)
             tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
             routine = tensors[0].op if tensors else None
             tensors = [_shaped(new, old.shape) for new, old in zip(tensors, like)]
         elif not hosted:   # nothing to pass: a bare callback ordered by control edges
-            func = _observer(action, where, len(inputs), hosted, [])
-            if self._v1_flow is None:
-                self._v1_flow = has_v1_control_flow(self.user_graph)
-            trigger = bare_trigger(target, op.attrs["kind"], self._v1_flow)
-            routine = _numpy_function(self.copy, func, [trigger], [tf.int32], stateful=True,
-                                        name=name)[0].op
-            self._order(op.attrs["kind"], target, routine)
+            routine = self._bare(action, where, kind, user_target, len(inputs))
             tensors = list(like)
         else:
             dtypes = [like[i].dtype for i in hosted]
             # before a Merge and after a Switch, a view live when the op runs
             feed, spread, looped = live_feed(
-                self.copy, self.user_graph.get_operation_by_name(target.name), op.attrs["kind"],
-                [_origin(t) for t in op.inputs], inputs, hosted)
+                self.emitter.forward, user_target, kind, [_origin(t) for t in op.inputs],
+                inputs, hosted, self.emitter.is_back_edge)
             func = _observer(action, where, len(inputs), hosted,
                              [d.as_numpy_dtype for d in dtypes], spread, looped)
-            results = _numpy_function(self.copy, func, feed,
-                                        [tf.bool] * len(hosted) + dtypes, stateful=True,
-                                        name=name)
+            with tf.control_dependencies(self.emitter.gate(waits)):
+                results = _numpy_function(self.copy, func, feed,
+                                          [tf.bool] * len(hosted) + dtypes, stateful=True,
+                                          name=label)
             routine = results[0].op
+            if kind.startswith("after"):
+                self._after_ops.setdefault(name, []).append(routine)
             tensors = list(like)
             for i, flag, new in zip(hosted, results, results[len(hosted):]):
                 if i not in looped:
                     tensors[i] = _chosen(like[i], new, flag)
         if routine is not None:
             self.observers.ran_by[action] = [routine.name]
-            origins = [self.copy.get_tensor_by_name(_origin(t)) for t in op.inputs]
-            self._before_writers(routine, origins, inputs)
-            if op.attrs["kind"].startswith("after"):
-                # a before-routine passing no tensor is a control input of the
-                # op, which never runs when the op is fed (a placeholder) or
-                # folded (a Const under Grappler): waiting on it here makes an
-                # op that gets its after-routines get its before-routines too
-                for before in self._bare_before.get(target.name, ()):
-                    routine._add_control_input(before)
+            self._note_reads(routine, [_origin(t) for t in op.inputs])
         self.realised[action] = tensors
         self._record_final(op, tensors)
         return tensors
 
+    def _bare(self, action, where, kind, user_target, count):
+        """A routine passing no tensor: a callback ordered by control edges.
+
+        A before-routine is a control input of its op (given when the op is
+        created, `_waits`). After-routines run in the order they were
+        recorded, each after the op, its before-routines and its earlier
+        after-routines, and before everything that reads the op's outputs or
+        waits on it (`_waits` again).
+        """
+        name = user_target.name
+        func = _observer(action, where, count, [], [])
+        if self._v1_flow is None:
+            self._v1_flow = has_v1_control_flow(self.user_graph)
+        label = action.kind
+        if kind.startswith("before"):
+            target = _Standing(self, user_target) if self._v1_flow else None
+            trigger = bare_trigger(target, kind, self._v1_flow, self.emitter.gate)
+            routine = _numpy_function(self.copy, func, [trigger], [tf.int32], stateful=True,
+                                      name=label)[0].op
+            if name not in self.emitter.pending and user_target.type != "Placeholder":
+                raise BackendError(f"before-routine of {name!r}: its op already exists in "
+                                   "the copy (internal error: it cannot wait on the routine)")
+            self._bare_before.setdefault(name, []).append(routine)
+            return routine
+        target = self.emitter.element("^" + name)
+        trigger = bare_trigger(target, kind, self._v1_flow, self.emitter.gate)
+        # the op's own before-routines too: Grappler may remove the op (a
+        # no-op Reshape, say) and hand its control edges to its inputs, which
+        # would let the after-routine run first
+        controls = [self.last_after.get(name, target), *self._bare_before.get(name, ()),
+                    *self._after_ops.get(name, ())]
+        with tf.control_dependencies(self.emitter.gate(controls)):
+            routine = _numpy_function(self.copy, func, [trigger], [tf.int32], stateful=True,
+                                      name=label)[0].op
+        self._bare_after.add(routine.name)
+        self.last_after[name] = routine
+        return routine
+
+
     def _native(self, action, where, inputs, like, replacing, target):
         """Lower a portable routine as TF ops: call it once on the copy's
         symbolic tensors (see :mod:`amanda.portable`)."""
-        with tf.name_scope(f"amanda/{action.kind}"):
+        with tf.name_scope(action.kind):
             results = call_routine(action, inputs, tf.is_tensor, where)
         if replacing and (results is None or len(results) != len(like)):
             raise _tool_error(action, where, f"must return {len(like)} tensors, one per "
@@ -480,115 +437,146 @@ class _GraphRewrite:
             tensors[i] = new
         return tensors
 
-    def _before_writers(self, routine, origins, inputs):
-        """Order ``routine`` before the stateful ops that were ordered after
-        the producers of its inputs.
+    def _routine_waits(self, op):
+        """What a routine passing tensors waits on: the last after-routine
+        passing no tensor of each op whose tensors it reads."""
+        waits = []
+        for tensor in op.inputs:
+            last = self.last_after.get(_origin(tensor).split(":")[0])
+            if last is not None and last not in waits:
+                waits.append(last)
+        return waits
 
-        A ``tf.function`` orders a variable's reads before its later updates
-        with control edges from the read ops; a routine reading such a value
-        must also be done before the update runs, as the op it instruments
-        would have been.
+    def _note_reads(self, routine, origins):
+        """Remember ``routine`` as a reader of the variable reads behind
+        ``origins``: a stateful op ordered after such a read waits on it
+        (`_waits`), as the op the routine instruments would have been done
+        before it."""
+        for origin in origins:
+            read = self.user_graph.get_tensor_by_name(origin).op
+            if _reads_variable(read):   # only reads of variables are ordered before writes
+                self._reads.setdefault(read.name, []).append(routine)
 
-        Args:
-            routine: the routine op.
-            origins: the user's tensors behind its inputs (in the copy).
-            inputs: its inputs (outputs of earlier routines, possibly).
-        """
-        for tensor in origins:
-            if not any(t.dtype == tf.resource or t.dtype._is_ref_dtype
-                       for t in tensor.op.inputs):
-                continue   # only reads of variables are ordered before their writes
-            for writer in self._waiting_on(tensor.op):
-                if (writer._is_stateful and writer is not routine
-                        and not _reaches(writer, inputs)):
-                    writer._add_control_input(routine)
+    def _inputs_of(self, name, data, resolve):
+        """The copy's tensors the user's op ``name`` reads when it is created
+        (its ``NodeDef``'s ``data`` inputs): a routine's result where the
+        lowered IR puts one in between."""
+        ir_op = self._ir_ops.get(name)
+        inputs = []
+        for position, text in enumerate(data):
+            ir_input = (ir_op.inputs[position]
+                        if ir_op is not None and position < len(ir_op.inputs) else None)
+            old = resolve(text)
+            if ir_input is None or ir_input.producer is None or ir_input.producer.type != ROUTINE:
+                inputs.append(old)
+                continue
+            new = self._tensor_in_copy(ir_input, self._made)
+            if new is not old and _structural_constant(old) and not portable.is_portable(
+                    ir_input.producer.attrs["action"].func):   # TF ops keep the value visible
+                self._checks.setdefault(name, []).append(
+                    self._keep_constant(name, position, old, new, ir_input.producer))
+                new = old
+            inputs.append(new)
+        return inputs
 
-    def _order(self, kind, target, routine):
-        """Make a routine that passes no tensor run before/after its op.
-
-        After-routines run in the order they were recorded, each after the op
-        and before everything that reads the op's outputs or waits on it.
-        """
-        if kind.startswith("before"):
-            # a fed placeholder never runs, nor do its control inputs; its
-            # after-routines wait on the routine (in _routine), and an edge to
-            # the placeholder would let Grappler drop theirs as redundant
-            if target.type != "Placeholder":
-                target._add_control_input(routine)
-            self._bare_before.setdefault(target.name, []).append(routine)
-            return
-        previous = self.last_after.get(target.name, target)
-        routine._add_control_input(previous)
-        # also wait on the op's own before-routines directly: Grappler may
-        # remove the op (a no-op Reshape, say) and hand its control edges to
-        # its inputs, which would let the after-routine run first
-        for before in self._bare_before.get(target.name, ()):
-            routine._add_control_input(before)
-        waiting = [c for output in target.outputs for c in output.consumers()]
-        waiting += self._waiting_on(target)
-        for op in waiting:
-            # earlier routines of the chain wait on the op too: they must not
-            # wait on this one as well (a cycle)
-            if (op is not routine and op.name not in self._bare_after
-                    and op not in (t.op for t in routine.inputs)):   # its trigger waits on the op
-                op._add_control_input(routine)
-        self._bare_after.add(routine.name)
-        self.last_after[target.name] = routine
+    def _waits(self, name, node, data, controls):
+        """The control edges the user's op ``name`` gets in the copy besides
+        its own (see `amanda.runtime.tensorflow_emit`)."""
+        user_op = self.user_graph.get_operation_by_name(name)
+        waits = [] if user_op.type == "Placeholder" else list(self._bare_before.get(name, ()))
+        for text in [*data, *controls]:
+            last = self.last_after.get(text.split(":")[0])
+            if last is not None:
+                waits.append(last)
+        if user_op._is_stateful:
+            for control in controls:
+                for routine in self._read_by.get(control, ()):
+                    if not _depends_on(routine, user_op, self.emitter.pending):
+                        self._routine(routine, self._made)   # built now, to be waited on
+                waits.extend(self._reads.get(control, ()))
+        waits.extend(self._checks.pop(name, ()))
+        return waits
 
     def _waiting_on(self, target):
-        """Ops of the copy with ``target`` as a control input (indexed once
-        per rewrite: scanning the graph per routine is quadratic)."""
-        if self._control_users is None:
+        """Ops of the user's graph with ``target`` as a control input
+        (indexed once per graph version)."""
+        version = self.user_graph.version
+        if self._control_users is None or self._control_users[0] != version:
             index = {}
-            for op in self.copy.get_operations():
+            for op in self.user_graph.get_operations():
                 for control in op.control_inputs:
                     index.setdefault(control.name, []).append(op)
-            self._control_users = index
-        return list(self._control_users.get(target.name, ()))
+            self._control_users = (version, index)
+        return list(self._control_users[1].get(target.name, ()))
 
     def _record_final(self, op, tensors):
         kind = op.attrs["kind"]
         if kind.startswith("replace"):
-            target = self.copy.get_operation_by_name(op.attrs["target"])
+            target = self.user_graph.get_operation_by_name(op.attrs["target"])
             for original, new in zip(target.outputs, tensors):
                 self.final[original.name] = new
         elif kind.startswith("after"):
             for ir_input, new in zip(op.inputs, tensors):
                 self.final[_origin(ir_input)] = new
 
-    def _rewire(self, op, made):
-        tf_op = None
-        for position, ir_input in enumerate(op.inputs):
-            if ir_input.producer is None or ir_input.producer.type != ROUTINE:
-                continue
-            tf_op = tf_op or self.copy.get_operation_by_name(op.name)
-            new = self._tensor_in_copy(ir_input, made)     # made on demand if later
-            old = tf_op.inputs[position]
-            if old is new:
-                continue
-            if _structural_constant(old) and not portable.is_portable(
-                    ir_input.producer.attrs["action"].func):   # TF ops keep the value visible
-                self._keep_constant(tf_op, position, old, new, ir_input.producer)
-            else:
-                tf_op._update_input(position, new)
-
-    def _keep_constant(self, tf_op, position, old, new, routine):
+    def _keep_constant(self, name, position, old, new, routine):
         """An integer constant input (a shape, an axis, a TensorList's
         element shape) that a Python routine sees stays the op's input: TensorFlow reads its value when
         it builds and shape-checks the graph (a `TensorListReserve` fails on
         an element shape it cannot see), which a routine's result would hide.
-        The routine still runs before the op (a control input) and sees the
-        value; returning another value is refused when the op runs."""
+        The routine still runs before the op (a control input, returned
+        here) and sees the value; returning another value is refused when
+        the op runs."""
         action = routine.attrs["action"]
-        target = self.copy.get_operation_by_name(routine.attrs["target"])
+        target = self.user_graph.get_operation_by_name(routine.attrs["target"])
+        user_op = self.user_graph.get_operation_by_name(name)
         text = _kept_constant(action, (target.type, target.name, NAMESPACE),
-                              f"replaced input {position} of {tf_op.type} {tf_op.name!r}, an "
+                              f"replaced input {position} of {user_op.type} {name!r}, an "
                               "integer constant TensorFlow needs when it builds the graph; "
                               "routines may read such constants but not replace them "
                               "(docs/tensorflow.md)")
-        with tf.control_dependencies([old.op]):   # its constants in the op's loop frame
+        with tf.control_dependencies(self.emitter.gate([old.op])):   # in the op's loop frame
             check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
         # used as a control input: without this TensorFlow logs "Object was
         # never used" into the user's stderr when the copy is collected
         getattr(check, "mark_used", lambda: None)()
-        tf_op._add_control_input(check)
+        return check
+
+
+def _depends_on(routine, user_op, pending, limit=10000):
+    """Whether the IR ``routine`` reads a tensor computed after ``user_op``
+    (then ``user_op`` cannot wait on it); also True past ``limit`` ops. Ops
+    no longer ``pending`` (created in the copy) are not searched: they
+    cannot depend on ``user_op``, which is being created."""
+    graph = user_op.graph
+    stack = [graph.get_operation_by_name(_origin(t).split(":")[0]) for t in routine.inputs]
+    stack = [op for op in stack if op.name in pending]
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op is user_op or len(seen) > limit:
+            return True
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(t.op for t in op.inputs if t.op.name in pending)
+        stack.extend(c for c in op.control_inputs if c.name in pending)
+    return False
+
+
+def _reads_variable(op):
+    return any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.inputs)
+
+
+class _Standing:
+    """What `bare_trigger` reads of an op not created yet: its type, and its
+    inputs and control inputs in the copy (created first)."""
+
+    def __init__(self, rewrite, user_op):
+        resolve = (rewrite.emitter.forward if user_op.type in ("Merge", "RefMerge")
+                   else rewrite.emitter.element)
+        self.type = user_op.type
+        self.name = user_op.name
+        self.inputs = [resolve(t.name) for t in user_op.inputs]
+        self.control_inputs = [rewrite.emitter.element("^" + c.name)
+                               for c in user_op.control_inputs]

@@ -1,0 +1,251 @@
+"""The TF copy is lowered from the instrumented IR op by op
+(amanda/runtime/tensorflow_emit.py): every user op is created once, with the
+inputs the IR gives it and all its control edges; no op is rewired or given
+an edge after it exists, except a v1 loop's ``Merge``, whose back edge is
+set when its ``NextIteration`` is built (as TensorFlow's ``while_loop``
+does).
+
+Checked by difference: on generated programs and a Keras model, the copy's
+user ops are the user's ops (name, type, attributes, device), reading the
+user's tensors or a routine's results; values equal the plain run; and the
+ordering rules (recorded order of after-routines, a routine done before a
+later update of the variable it reads) hold.
+"""
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import amanda
+from amanda.runtime.observation import hosted_observation
+from amanda.runtime.tensorflow import current_rewrite
+from amanda.runtime.tensorflow_bodies import _STATEFUL_TWIN
+
+tf = pytest.importorskip("tensorflow")
+
+from tests.tensorflow.test_generated_tf import (Identity, Observe, _build, _config,  # noqa: E402
+                                                _feeds, programs)
+
+_AMANDA = os.path.dirname(amanda.__file__)
+
+
+@contextlib.contextmanager
+def _surgery():
+    """Every ``_add_control_input`` / ``_update_input`` amanda's own code
+    makes on the ops of any graph, as (kind, op type, new input's op type)."""
+    calls = []
+    add, update = tf.Operation._add_control_input, tf.Operation._update_input
+    own = {k: tf.Operation.__dict__[k] for k in ("_add_control_input", "_update_input")
+           if k in tf.Operation.__dict__}   # (the first one is the C++ base class's)
+
+    def caller():
+        import sys
+        return sys._getframe(2).f_code.co_filename.startswith(_AMANDA)
+
+    def _add(self, op):
+        if caller():
+            calls.append(("control", self.type, op.type))
+        return add(self, op)
+
+    def _update(self, index, tensor):
+        if caller():
+            calls.append(("input", self.type, tensor.op.type))
+        return update(self, index, tensor)
+
+    tf.Operation._add_control_input, tf.Operation._update_input = _add, _update
+    try:
+        yield calls
+    finally:
+        for key in ("_add_control_input", "_update_input"):
+            if key in own:
+                setattr(tf.Operation, key, own[key])
+            else:
+                delattr(tf.Operation, key)
+
+
+def _user_ops_kept(user_graph, copy):
+    """Assert every op of the user's graph is in the copy as it was: same
+    type, attributes and device, its control inputs kept, each input the
+    user's tensor or made by amanda (a routine's result)."""
+    user_names = {op.name for op in user_graph.get_operations()}
+    for op in user_graph.get_operations():
+        twin = copy.get_operation_by_name(op.name)
+        assert twin.device == op.device
+        attrs, theirs = dict(op.node_def.attr), dict(twin.node_def.attr)
+        if twin.type != op.type:   # a call whose bodies were instrumented: its stateful twin
+            assert _STATEFUL_TWIN[op.type] == twin.type
+        for key in list(attrs):
+            if attrs[key].HasField("func") or attrs[key].list.func:
+                del attrs[key], theirs[key]   # the instrumented bodies' functions
+        assert theirs == attrs, op.name
+        assert {c.name for c in op.control_inputs} <= {c.name for c in twin.control_inputs}
+        assert len(twin.inputs) == len(op.inputs)
+        for mine, theirs in zip(op.inputs, twin.inputs):
+            assert theirs.name == mine.name or theirs.op.name not in user_names, op.name
+
+
+_SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
+                     phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@_SETTINGS
+@given(programs(), st.integers(0, 1000))
+def test_generated_programs_are_lowered_without_rewiring(recipe, seed):
+    graph, inputs, fetches, train_op, _, init = _build(recipe)
+    feeds = _feeds(inputs, seed)
+    # fetches, a training step, fetches (a variable fetched in the training
+    # run itself could be read before or after its update)
+    steps = [fetches] + ([train_op, fetches] if train_op is not None else [])
+
+    def run(session):
+        return [session.run(step, feeds) for step in steps]
+
+    with tf.compat.v1.Session(graph=graph, config=_config()) as plain:
+        plain.run(init)
+        want = run(plain)
+    tool = Identity()
+    with tf.compat.v1.Session(graph=graph, config=_config()) as session:
+        session.run(init)
+        with _surgery() as calls, hosted_observation(), amanda.apply(tool):
+            got = run(session)
+            copy = current_rewrite(session).copy
+        _user_ops_kept(graph, copy)
+    assert calls == []
+    for values, expected in zip(got, want):
+        for a, b in zip(values or (), expected or ()):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_keras_training_step_is_lowered_without_rewiring():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        model = tf.keras.Sequential([tf.keras.layers.Dense(16, activation="relu"),
+                                     tf.keras.layers.LayerNormalization(),
+                                     tf.keras.layers.Dense(3)])
+        loss = tf.reduce_sum(model(x) ** 2)
+        grads = tf.compat.v1.gradients(loss, model.trainable_variables)
+        init = tf.compat.v1.global_variables_initializer()
+    feed = {x: np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    # Grappler's float rewrites off: hosted routines keep apart what it would
+    # fuse (docs/tensorflow.md, Bit-exactness)
+    with tf.compat.v1.Session(graph=graph, config=_config()) as session:
+        session.run(init)
+        want = session.run([loss, grads], feed)
+        tool = Identity()
+        with _surgery() as calls, hosted_observation(), amanda.apply(tool):
+            got = session.run([loss, grads], feed)
+            copy = current_rewrite(session).copy
+    _user_ops_kept(graph, copy)
+    assert calls == [] and tool.calls > 100
+    assert np.asarray(got[0]).tobytes() == np.asarray(want[0]).tobytes()
+    for a, b in zip(got[1], want[1]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_v1_loop_closes_its_back_edges_and_nothing_else():
+    graph = tf.Graph()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+            _, out = tf.compat.v1.while_loop(lambda i, v: i < 4,
+                                             lambda i, v: (i + 1, tf.math.tanh(v) * 2.0), [0, x])
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+    feed = {x: np.array([0.1, -0.2, 0.3], np.float32)}
+    with tf.compat.v1.Session(graph=graph) as session:
+        want = session.run(out, feed)
+        tool = Observe()   # (a routine may not replace a loop's back edge)
+        with _surgery() as calls, amanda.apply(tool):
+            got = session.run(out, feed)
+            copy = current_rewrite(session).copy
+    _user_ops_kept(graph, copy)
+    assert got.tobytes() == want.tobytes()
+    # every point of the body once per iteration (4), the Merge's too
+    ops = {op for op, _, _ in tool.log}
+    assert "while/Merge_1" in ops
+    assert sum(1 for op, point, _ in tool.log if op == "while/Tanh" and point == "after") == 4
+    # one back edge per loop variable, into the Merge (and the views of it)
+    assert calls and all(kind == "input" and source == "NextIteration"
+                         for kind, _, source in calls)
+    assert {target for _, target, _ in calls} >= {"Merge"}
+
+
+class _Order(amanda.Tool):
+    """At every op's after point: an observer receiving its outputs, then a
+    counter selecting nothing, both recorded inside the run."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        name = context.get_op().name
+        with hosted_observation():
+            context.insert_after_op(self.look, op=name)
+            context.insert_after_op(self.count, outputs=[], op=name)
+
+    def look(self, *arrays, op):
+        self.log.append((op, "look"))
+
+    def count(self, op):
+        self.log.append((op, "count"))
+
+
+def test_after_routines_run_in_the_order_they_were_recorded():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2], name="x")
+        y = tf.math.sin(x, name="sin")
+        z = tf.math.exp(y, name="exp")
+    log = []
+    with tf.compat.v1.Session(graph=graph) as session:
+        with amanda.apply(_Order(log)):
+            session.run(z, {x: np.ones(2, np.float32)})
+    for op in ("sin", "exp"):
+        mine = [point for name, point in log if name == op]
+        assert mine == ["look", "count"], (op, log)
+    # and both routines of an op before those of the op reading it
+    assert log.index(("sin", "count")) < log.index(("exp", "look"))
+
+
+class _SeeMul(amanda.Tool):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        if context.get_op().type == "Mul":
+            context.insert_before_op(self.look)
+
+    def look(self, *arrays):
+        self.seen.append([np.array(a, copy=True) for a in arrays if a is not None])
+
+
+def test_a_routine_reading_a_variable_is_done_before_a_later_update():
+    """In a ``tf.function`` the read is ordered before the update; the
+    routine on the read's reader is created before the update, which waits
+    on it (`_GraphRewrite._waits`), though the update comes first in the
+    function's op order."""
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+
+    @tf.function
+    def step():
+        r = v.read_value()
+        v.assign(r + 10.0)
+        return r * 3.0
+
+    tool = _SeeMul()
+    with amanda.apply(tool):
+        got = step()
+    assert np.array_equal(got.numpy(), [3.0, 6.0])
+    assert tool.seen and all(np.array_equal(a[0], [1.0, 2.0]) for a in tool.seen)
+    assert np.array_equal(v.numpy(), [11.0, 12.0])
