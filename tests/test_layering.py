@@ -1,9 +1,9 @@
 """Layering: frameworks are imported only by the backend modules.
 
 Backend-specific code lives in ``amanda/frontends/`` and ``amanda/runtime/``
-(one module per backend); the CLI and the model zoo (``amanda/cli/``,
-``amanda/models.py``) load real models. Everything else, the tools included,
-reaches a backend through a registry keyed by namespace
+(one module per backend); the CLI and the model zoos (``amanda/cli/``,
+``amanda/models.py``, ``amanda/pruning_models.py``) load real models.
+Everything else, the tools included, reaches a backend through a registry keyed by namespace
 (:mod:`amanda.runtime.tool_support`), so this test walks every module's
 syntax tree, function bodies included, for imports of a framework.
 """
@@ -19,16 +19,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "amanda"
 FRAMEWORKS = {"torch", "tensorflow", "onnx", "onnxruntime"}
 
 #: Where the backends live: any framework import is fine there.
-BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py")
+BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py",
+                 "pruning_models.py")   # the pruning projects' model zoo (torch and Keras models)
 
 #: Modules outside the backend areas that may import a framework, with why.
-#: Keep it short: each entry is a tool that only makes sense for one framework.
-EXCEPTIONS = {
-    "tools/pruning_projects/activation.py": "PyTorch-only pruning project (paper reproduction)",
-    "tools/pruning_projects/feature_boosting.py": "PyTorch-only pruning project (paper reproduction)",
-    "tools/pruning_projects/models.py": "the pruning projects' small model zoo (PyTorch models, "
-                                        "one Keras model)",
-}
+#: Keep it empty: a tool that only makes sense for one framework keeps its
+#: framework code in ``amanda/runtime/`` too (``pytorch_pruning_*.py``).
+EXCEPTIONS = {}
 
 
 def _framework_imports(path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import amanda
-from amanda.tools.pruning_projects import models
+from amanda import pruning_models as models
 from amanda.tools.pruning_projects.activation import ActivationPruner
 from amanda.tools.pruning_projects.block_skim import BlockSkim
 from amanda.tools.pruning_projects.feature_boosting import FeatureBoosting
@@ -273,6 +273,12 @@ def test_vector_wise_keeps_two_of_four_on_the_bert_family(family):
     for layer in tool.layers.values():
         groups = layer.mask.reshape(-1, 4)
         assert (groups.sum(1) == 2).all()
+
+
+def test_the_zoo_is_still_reachable_from_the_pruning_projects_package():
+    from amanda.tools.pruning_projects import models as old_home
+    assert all(getattr(old_home, name) is getattr(models, name) for name in models.__all__)
+    assert set(models.__all__) <= set(old_home.__all__)
 
 
 def test_docs_examples_run():

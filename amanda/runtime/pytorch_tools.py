@@ -4,7 +4,12 @@ What the PyTorch runtime records (module paths, stable op ids) and how the
 PyTorch frontends encode a call's non-tensor arguments in IR attributes
 (``attrs["args"]``/``attrs["kwargs"]``, a tensor argument written as
 ``{"$input": position}``) are read here, so tools never decode them
-themselves. Importing this module does not import torch.
+themselves. The PyTorch parts of the PyTorch-only pruning projects
+(:mod:`amanda.tools.pruning_projects`) are served from here too:
+``activation_mask`` (:mod:`amanda.runtime.pytorch_pruning_activation`),
+``new_predictor``, ``wta_gate`` and ``fbs_saliency``
+(:mod:`amanda.runtime.pytorch_pruning_feature_boosting`). Importing this
+module does not import torch.
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ from __future__ import annotations
 import io
 import sys
 
-__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "as_tensor_like",
-           "backward_flop_factor", "backward_flop_operands", "call_argument", "call_arguments", "call_attrs",
-           "export_onnx", "has_nonfinite", "is_tensor", "is_weight_input",
-           "is_whole_graph", "kernel_profiler", "module_path_from_op", "no_grad",
-           "stable_op_id", "tensor_stats", "trainable_parameters"]
+from amanda.runtime.pytorch_pruning_activation import activation_mask
+from amanda.runtime.pytorch_pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
+
+__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_mask",
+           "as_tensor_like", "backward_flop_factor", "backward_flop_operands", "call_argument",
+           "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
+           "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
+           "module_path_from_op", "new_predictor", "no_grad", "stable_op_id", "tensor_stats",
+           "trainable_parameters", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 

@@ -1,5 +1,7 @@
-"""Dynamic activation pruning, as an amanda tool (PyTorch only: it builds torch
-masks in its routines, so it imports torch; listed in tests/test_layering.py).
+"""Dynamic activation pruning, as an amanda tool (PyTorch only: its routines
+build torch masks, with ``activation_mask`` of
+:mod:`amanda.runtime.pytorch_pruning_activation`, reached through the PyTorch
+tool-support module).
 
 Algorithm: every activation (the output of each ReLU) is sparsified per
 sample, at every step: with ``n`` values per sample, those whose magnitude is
@@ -16,24 +18,12 @@ PyTorch model.
 
 from __future__ import annotations
 
-import torch
-
 import amanda
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["ActivationPruner", "activation_mask"]
-
-
-def activation_mask(x, sparsity):
-    """Per-sample mask of ``x`` (first axis = samples) keeping the values
-    whose magnitude is above the ``round(sparsity * n)``-th smallest."""
-    flat = x.detach().abs().flatten(1)
-    k = round(sparsity * flat.shape[1])
-    if k < 1:
-        return torch.ones_like(x)
-    threshold = flat.kthvalue(k, dim=1, keepdim=True).values
-    return (flat > threshold).to(x.dtype).view_as(x)
+__all__ = ["ActivationPruner"]
 
 
 class ActivationPruner(amanda.Tool):
@@ -63,6 +53,6 @@ class ActivationPruner(amanda.Tool):
 
     def prune(self, x, key):
         """``x`` with its pruned values zeroed."""
-        pruned = x * activation_mask(x, self.sparsity)
+        pruned = x * support_for("pytorch").activation_mask(x, self.sparsity)
         self.sparsities[key] = float((pruned == 0).float().mean())
         return pruned

@@ -1,6 +1,9 @@
 """Dynamic channel pruning by feature boosting and suppression (Gao et al.,
 ICLR'19), as an amanda tool (PyTorch only: its saliency predictors are torch
-modules trained with the model, so it imports torch; listed in tests/test_layering.py).
+modules trained with the model: ``new_predictor``, ``fbs_saliency`` and the
+winner-take-all ``wta_gate`` are in
+:mod:`amanda.runtime.pytorch_pruning_feature_boosting`, reached through the
+PyTorch tool-support module).
 
 Algorithm: every convolution gets a small saliency predictor. For an input
 ``x`` of ``C`` channels, the predictor computes ``s = relu(W · avgpool(x) + b)``
@@ -20,36 +23,12 @@ optimizer after a first forward.
 
 from __future__ import annotations
 
-import torch
-
 import amanda
+from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
-__all__ = ["FeatureBoosting", "wta_gate", "new_predictor"]
-
-
-def new_predictor(in_channels, out_channels, index, seed=0):
-    """The saliency predictor of the ``index``-th gated convolution: a linear
-    layer with a uniform(±1/sqrt(in)) weight from a generator seeded with
-    ``seed + index`` and a bias of 1 (every channel starts salient)."""
-    generator = torch.Generator().manual_seed(seed + index)
-    predictor = torch.nn.Linear(in_channels, out_channels)
-    with torch.no_grad():
-        bound = in_channels ** -0.5
-        predictor.weight.copy_(torch.rand(out_channels, in_channels, generator=generator)
-                               * 2 * bound - bound)
-        predictor.bias.fill_(1.0)
-    return predictor
-
-
-def wta_gate(saliency, density):
-    """Winner-take-all: the saliencies with all but the ``round(density * C)``
-    largest of each row zeroed; returns ``(gate, mask)``."""
-    keep = max(1, round(density * saliency.shape[1]))
-    top = saliency.topk(keep, dim=1).indices
-    mask = torch.zeros_like(saliency).scatter_(1, top, 1.0)
-    return saliency * mask, mask
+__all__ = ["FeatureBoosting"]
 
 
 class FeatureBoosting(amanda.Tool):
@@ -81,8 +60,8 @@ class FeatureBoosting(amanda.Tool):
         key = (context.namespace, context.get_op_id())
         weight = context.get_inputs()[1]
         if key not in self.predictors:
-            self.predictors[key] = new_predictor(weight.shape[1], weight.shape[0],
-                                                 len(self.predictors), self.seed)
+            self.predictors[key] = support_for("pytorch").new_predictor(
+                weight.shape[1], weight.shape[0], len(self.predictors), self.seed)
         slot = {"key": key}
         with amanda.ad_enabled():     # the gate trains the predictor and the model
             context.insert_before_op(self.remember_input, inputs=[0], slot=slot)
@@ -94,7 +73,8 @@ class FeatureBoosting(amanda.Tool):
 
     def gate_output(self, y, slot):
         """The convolution's output times the winner-take-all saliencies."""
-        saliency = torch.relu(self.predictors[slot["key"]](slot.pop("input").mean((2, 3))))
-        gate, mask = wta_gate(saliency, self.density)
+        support = support_for("pytorch")
+        saliency = support.fbs_saliency(self.predictors[slot["key"]], slot.pop("input"))
+        gate, mask = support.wta_gate(saliency, self.density)
         self.masks[slot["key"]] = mask.detach()
         return y * gate[:, :, None, None]
