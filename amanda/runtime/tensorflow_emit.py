@@ -111,7 +111,9 @@ class Emitter:
         ops = list(dict.fromkeys(ops))
         if not ops:
             return []
-        node = tf.compat.v1.NodeDef(name=self.copy.unique_name("amanda/gate"), op="NoOp")
+        with self.copy.name_scope(None):   # (the root scope: called inside "amanda/" too)
+            name = self.copy.unique_name("amanda/gate")
+        node = tf.compat.v1.NodeDef(name=name, op="NoOp")
         with self.copy._mutation_lock():
             return [tf.Operation.from_node_def(node, self.copy, control_inputs=ops)]
 

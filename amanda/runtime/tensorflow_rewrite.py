@@ -257,8 +257,11 @@ class _GraphRewrite:
         self._v1_flow = None        # whether the user's graph has v1 control flow (asked once)
         self._ir_ops = {op.name: op for op in lowered.ops if op.type != ROUTINE}
         self._read_by = {}  # variable-read op name -> IR routines reading its value
+        self._points = {}   # op name -> its IR routine ops not built yet, in program order
+        self._building = set()
         for op in lowered.ops:
             if op.type == ROUTINE and op.attrs["action"] not in self.realised:
+                self._points.setdefault(op.attrs["target"], []).append(op)
                 for origin in {_origin(t).split(":")[0] for t in op.inputs}:
                     if _reads_variable(self.user_graph.get_operation_by_name(origin)):
                         self._read_by.setdefault(origin, []).append(op)
@@ -295,10 +298,17 @@ class _GraphRewrite:
         tensors = self.realised.get(op.attrs["action"])
         if tensors is not None:
             return tensors
-        # its ops are named under "amanda/": a user op, created later under
-        # its own name, must find that name free
-        with tf.name_scope("amanda/"):
-            return self._build_routine(op, made)
+        self._building.add(op)   # what it waits for must not build it again
+        try:
+            # its ops are named under "amanda/": a user op, created later
+            # under its own name, must find that name free
+            with tf.name_scope("amanda/"):
+                return self._build_routine(op, made)
+        finally:
+            self._building.discard(op)
+            waiting = self._points.get(op.attrs["target"])
+            if waiting and op in waiting:
+                waiting.remove(op)
 
     def _build_routine(self, op, made):
         action = op.attrs["action"]
@@ -399,6 +409,7 @@ class _GraphRewrite:
             self._bare_before.setdefault(name, []).append(routine)
             return routine
         target = self.emitter.element("^" + name)
+        self._ensure(name, "before")
         trigger = bare_trigger(target, kind, self._v1_flow, self.emitter.gate)
         # the op's own before-routines too: Grappler may remove the op (a
         # no-op Reshape, say) and hand its control edges to its inputs, which
@@ -439,13 +450,32 @@ class _GraphRewrite:
 
     def _routine_waits(self, op):
         """What a routine passing tensors waits on: the last after-routine
-        passing no tensor of each op whose tensors it reads."""
+        passing no tensor of each op whose tensors it reads (and, after an
+        op, the op's before-routines passing none: a fed op never runs, but
+        its after-routines still bring its before-routines with them)."""
         waits = []
-        for tensor in op.inputs:
-            last = self.last_after.get(_origin(tensor).split(":")[0])
-            if last is not None and last not in waits:
+        kind, target = op.attrs["kind"], op.attrs["target"]
+        for name in dict.fromkeys(_origin(t).split(":")[0] for t in op.inputs):
+            self._ensure(name, "after", op if name == target else None)
+            last = self.last_after.get(name)
+            if last is not None:
                 waits.append(last)
+        if kind.startswith("after"):
+            self._ensure(target, "before")
+            waits.extend(self._bare_before.get(target, ()))
         return waits
+
+    def _ensure(self, name, point, until=None):
+        """Build the routines at ``point`` (``"before"``, ``"after"``) of the
+        user's op ``name`` not built yet, in program order (those recorded
+        before ``until`` only): a function body's IR is in the order of its
+        FunctionDef, not in data order, and an op (or a routine) is created
+        after everything it waits for."""
+        for routine in list(self._points.get(name, ())):
+            if routine is until:
+                break
+            if routine.attrs["kind"].startswith(point) and routine not in self._building:
+                self._routine(routine, self._made)
 
     def _note_reads(self, routine, origins):
         """Remember ``routine`` as a reader of the variable reads behind
@@ -483,8 +513,10 @@ class _GraphRewrite:
         """The control edges the user's op ``name`` gets in the copy besides
         its own (see `amanda.runtime.tensorflow_emit`)."""
         user_op = self.user_graph.get_operation_by_name(name)
+        self._ensure(name, "before")
         waits = [] if user_op.type == "Placeholder" else list(self._bare_before.get(name, ()))
         for text in [*data, *controls]:
+            self._ensure(text.split(":")[0], "after")
             last = self.last_after.get(text.split(":")[0])
             if last is not None:
                 waits.append(last)

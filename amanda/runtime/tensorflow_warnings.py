@@ -52,13 +52,15 @@ def warn_inexact(self):
         "amanda (TensorFlow): Python routines sit between the graph's ops; "
         f"{'; '.join(causes)}; so outputs may differ from an uninstrumented run in the "
         "last bits (more where training amplifies rounding, e.g. Adam on a gradient "
-        "that is zero up to rounding), even with routines that return None. They are "
-        "bit-identical with the rewrites off (rewrite_options.arithmetic_optimization / "
+        "that is zero up to rounding), even with routines that return None. They were "
+        "bit-identical in amanda's tests with the rewrites off "
+        "(rewrite_options.arithmetic_optimization / "
         "constant_folding = OFF in the session config; "
         "tf.config.optimizer.set_experimental_options({'arithmetic_optimization': "
         "False, 'constant_folding': False}) for tf.function) and oneDNN off "
         "(TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported), or with portable "
-        "routines. See docs/tensorflow.md, Bit-exactness.",
+        "routines; one case is known where they are not (an AddN summing gradient "
+        "terms that routines observed). See docs/tensorflow.md, Bit-exactness.",
         NotBitExactWarning, stacklevel=_user_stacklevel())
 
 def warn_bodies(self, ir_graph):

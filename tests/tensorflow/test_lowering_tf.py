@@ -96,11 +96,15 @@ _SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
 @_SETTINGS
 @given(programs(), st.integers(0, 1000))
 def test_generated_programs_are_lowered_without_rewiring(recipe, seed):
-    graph, inputs, fetches, train_op, _, init = _build(recipe)
+    graph, inputs, fetches, train_op, w, init = _build(recipe)
     feeds = _feeds(inputs, seed)
-    # fetches, a training step, fetches (a variable fetched in the training
-    # run itself could be read before or after its update)
-    steps = [fetches] + ([train_op, fetches] if train_op is not None else [])
+    # fetches, then two training steps fetching them too (as
+    # test_generated_tf does: a variable fetched in a training run could be
+    # read before or after its update, so it is fetched in runs of its own)
+    steps = [fetches]
+    if train_op is not None:
+        kept = [f for f in fetches if f is not w]
+        steps += [[train_op] + kept] * 2 + [[w]]
 
     def run(session):
         return [session.run(step, feeds) for step in steps]
@@ -249,3 +253,42 @@ def test_a_routine_reading_a_variable_is_done_before_a_later_update():
     assert np.array_equal(got.numpy(), [3.0, 6.0])
     assert tool.seen and all(np.array_equal(a[0], [1.0, 2.0]) for a in tool.seen)
     assert np.array_equal(v.numpy(), [11.0, 12.0])
+
+
+class _AfterGradientMul(amanda.Tool):
+    """Routines before and after each backward ``Mul`` that return None, but
+    could return arrays (so they are hosted as possible replacers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.backward, backward=True)
+
+    def backward(self, context):
+        if context.get_backward_op().type == "Mul":
+            context.insert_before_backward_op(self.maybe)
+            context.insert_after_backward_op(self.maybe)
+
+    def maybe(self, *arrays):
+        return list(arrays) if len(arrays) > 99 else None
+
+
+@pytest.mark.xfail(strict=True, reason="found 2026-11-28, open: hosted routines around the "
+                   "backward Mul of w*w changes a gradient-descent step by one ulp with "
+                   "Grappler and oneDNN off (the gradient terms meet in an AddN; "
+                   "docs/tensorflow.md, Bit-exactness)")
+def test_a_routine_returning_none_after_gradient_terms_leaves_a_training_step_exact():
+    from tests.tensorflow.test_generated_tf import _build as build
+    recipe = ([("matmul", 0), ("matmul", 2), ("unary", "sigmoid", 2)], [3, 2], True, None, True)
+    graph, inputs, _, train_op, w, init = build(recipe)
+    feeds = _feeds(inputs, 176)
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
+                                      intra_op_parallelism_threads=1)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    values = []
+    for tool in (None, _AfterGradientMul()):
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            session.run(init)
+            with amanda.apply(tool) if tool is not None else contextlib.nullcontext():
+                session.run(train_op, feeds)
+            values.append(session.run(w))
+    assert values[0].tobytes() == values[1].tobytes()
