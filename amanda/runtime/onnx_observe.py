@@ -129,20 +129,8 @@ class _SideBranches(_Lowering):
     def bind(self, data):
         """Give routines their weights as read-only views over ``data`` (the
         serialized result, which the session cache keeps) where the wire
-        format allows, copies otherwise."""
-        graph = self.result.graph
-        if self.plan is not None:
-            self.plan.bind(data, graph)
-        names = {n for _, slots in self.weights for n in slots.values()}
-        if not names:
-            return
-        values = initializer_views(data, names)
-        for initializer in graph.initializer:
-            if initializer.name in names and initializer.name not in values:
-                values[initializer.name] = numpy_helper.to_array(initializer)
-        values.update((n, a) for n, a in self._dropped.items() if n in names)
-        for callback, slots in self.weights:
-            callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
+        format allows, copies otherwise (`bind_weights`)."""
+        bind_weights(data, self.result.graph, self.plan, self.weights, self._dropped)
 
     def _hosted_callback(self, op, action, where):
         """A top-level observe-only routine inside the run: as a side branch
@@ -332,6 +320,26 @@ def _sort_nodes_eagerly(proto, own):
     if len(order) == len(nodes) and order != list(range(len(nodes))):
         del proto.node[:]
         proto.node.extend(nodes[k] for k in order)
+
+
+def bind_weights(data, graph, plan, weights, dropped):
+    """`_SideBranches.bind` from what it needs once the model is written:
+    the serialized model ``data``, its top ``graph``, the fetch ``plan`` (or
+    None), the hosted routines' ``weights`` and the ``dropped`` initializers'
+    values. Nothing here refers to the user's model or the IR graph, so the
+    branches can be dropped before the model is serialized."""
+    if plan is not None:
+        plan.bind(data, graph)
+    names = {n for _, slots in weights for n in slots.values()}
+    if not names:
+        return
+    values = initializer_views(data, names)
+    for initializer in graph.initializer:
+        if initializer.name in names and initializer.name not in values:
+            values[initializer.name] = numpy_helper.to_array(initializer)
+    values.update((n, a) for n, a in dropped.items() if n in names)
+    for callback, slots in weights:
+        callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
 
 
 class _Available:

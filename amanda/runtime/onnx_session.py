@@ -12,6 +12,7 @@ instrumented model with routines in its dataflow.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import threading
@@ -29,7 +30,10 @@ from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _original_init, checked_session, run_methods, session_options
 from amanda.runtime.onnx_instrument import _instrument
 from amanda.runtime.onnx_lowering import lower
-from amanda.runtime.onnx_observe import _fetch_for, _fetches, _NotSide, _SideBranches
+from amanda.runtime.observation import fetch_budget
+from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
+                                         bind_weights)
+from amanda.runtime.onnx_wire import initializer_views
 
 
 def _model_bytes(source):
@@ -47,6 +51,47 @@ def _model_bytes(source):
                        f"{type(source).__name__}")
 
 
+class _Given:
+    """The model of the ``InferenceSession`` call being served: its bytes
+    hash to the cache key, so it is the model the cached entry was made
+    from. The cache keeps no copy of it; an entry needing it again (another
+    optimisation level) takes it from here.
+
+    Args:
+        data: the model's bytes (what the key hashes), or None once dropped.
+        model: the loaded ModelProto, or None until `model` loads it.
+        file: ``(path, size, mtime)`` of the file it was read from when
+            onnxruntime may read that file itself (no external data).
+    """
+
+    def __init__(self, data, model, file):
+        self.data = data
+        self._model = model
+        self.file = file
+
+    def model(self):
+        if self._model is None:
+            self._model = load_model(self.data)
+        return self._model
+
+    def release(self):
+        """Drop the loaded model (kept while the bytes are: they are the user's)."""
+        self._model = None
+
+    def for_onnxruntime(self):
+        """What onnxruntime should read the model from: its file while
+        unchanged, else its bytes."""
+        if self.file is not None:
+            path, size, mtime = self.file
+            try:
+                stat = os.stat(path)
+            except OSError:
+                stat = None
+            if stat is not None and (stat.st_size, stat.st_mtime_ns) == (size, mtime):
+                return path
+        return self.data if self.data is not None else self.model().SerializeToString()
+
+
 class _Instrumented:
     """What a session inside ``apply`` runs for one model and tool set.
 
@@ -57,72 +102,83 @@ class _Instrumented:
             attached (the lowered model is as large as the user's).
         callbacks: they host Python routines.
         inline: some Python routine's results flow back into the model.
-        side: ``(lowered IR graph, user's ModelProto)`` when every routine
-            only looks (see `_SideBranches`), else None.
-        optimised: side-branch models by (optimisation level, providers).
-        file: ``(path, size, mtime)`` of the file the model was read from, if
-            any: onnxruntime optimises it from there while it is unchanged
-            (no serialized copy of the model beside the loaded one).
+        sides: every routine only looks (see `_SideBranches`).
+        side: ``(lowered IR graph, user's ModelProto)`` while the session
+            that made the entry is created; then dropped (the IR graph refers
+            to the model's protobuf messages, so keeping it would keep the
+            whole model): another optimisation level instruments the model of
+            its own call again.
+        observed: for `sides`: (routines in bodies, a routine was recorded
+            in `hosted_observation`, bytes the top-level routines read).
+        optimised: side-branch models by (optimisation level, providers,
+            fetched): ``(bytes, plan, eager, shared)``.
     """
 
     def __init__(self, data, callbacks=False, inline=False, side=None):
         self._data = data
         self.callbacks = callbacks
         self.inline = inline
+        self.sides = side is not None
         self.side = side
+        self.observed = None
+        if side is not None:
+            graph = side[0]
+            self.observed = (_bodies_host_routines(graph), _timed(graph), _observed_bytes(graph))
         self.optimised = {}
-        self.file = None
 
-    def user_model(self):
-        """What onnxruntime should read the user's model from: its file while
-        unchanged, else its bytes."""
-        if self.file is not None:
-            path, size, mtime = self.file
-            try:
-                stat = os.stat(path)
-            except OSError:
-                stat = None
-            if stat is not None and (stat.st_size, stat.st_mtime_ns) == (size, mtime):
-                return path
-        return self.side[1].SerializeToString()
+    def side_graph(self, given, session):
+        """``(lowered IR graph, ModelProto)``: the entry's while it has them,
+        else from instrumenting the given model again."""
+        if self.side is not None:
+            return self.side
+        model = given.model()
+        lowered, lowering = _instrument(model, session, callbacks=True)
+        del lowered
+        if lowering is None or not lowering.side_only:
+            raise BackendError("amanda: instrumenting the model again gave another plan")
+        return lowering.top, model
+
+    def lowered_data(self, given, session):
+        """The lowered model's bytes (side branches could not be attached)."""
+        if self._data is None:
+            self._data = lower(self.side_graph(given, session)[0]).SerializeToString()
+        return self._data
 
     @property
     def data(self):
-        if self._data is None:
-            self._data = lower(self.side[0]).SerializeToString()
         return self._data
 
 
 def _instrumented(session, source):
-    """The `_Instrumented` model for ``source``, cached per amanda session by
-    the SHA-256 of the model."""
+    """(the `_Instrumented` model for ``source``, cached per amanda session
+    by the SHA-256 of the model; the `_Given` model of this call)."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
     data, model, from_file = _model_bytes(source)
     key = hashlib.sha256(data).hexdigest()
+    file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) \
+        if stat is not None and from_file else None
+    if model is not None:   # read from a file: the bytes were only needed for the key
+        data = None
+    given = _Given(data, model, file)
     cache = session.caches.setdefault("onnx", {})
     hit = cache.get(key) if controls.state.cache else None
     if hit is not None:
-        return hit
-    if model is None:
-        model = load_model(data)
-    else:   # read from a file: the bytes were only needed for the key
-        data = None
-    lowered, lowering = _instrument(model, session, callbacks=True)
+        return hit, given
+    del data, model
+    lowered, lowering = _instrument(given.model(), session, callbacks=True)
     if lowered is None:
-        hit = _Instrumented(data if data is not None else model.SerializeToString())
+        hit = _Instrumented(given.data if given.data is not None
+                            else given.model().SerializeToString())
     elif lowering.side_only and lowering.uses_callbacks:
         # the optimised model with side branches is what runs (written per
         # optimisation level): no copy of the lowered model is kept
-        del lowered, data
-        hit = _Instrumented(None, True, lowering.inline, (lowering.top, model))
-        if stat is not None and from_file:
-            hit.file = os.fspath(source), stat.st_size, stat.st_mtime_ns
+        del lowered
+        hit = _Instrumented(None, True, lowering.inline, (lowering.top, given.model()))
     else:
-        del data
         hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
                             lowering.inline)
     cache[key] = hit
-    return hit
+    return hit, given
 
 
 # Options are mutated for the span of a session's creation (the optimised
@@ -159,32 +215,78 @@ def _timed(graph):
                for op in graph)
 
 
-def _side_branch_model(hit, options, providers, provider_options, kwargs):
-    """Bytes of the optimised model with the observe-only routines attached,
-    cached per optimisation level and providers; None if a routine reads a
-    tensor that cannot be recomputed (it then runs in the model's dataflow)."""
-    graph, model = hit.side
-    in_bodies = _bodies_host_routines(graph)
-    fetch = not in_bodies and not _timed(graph) and _fetches(graph)
+#: initializers at least this large are shared with onnxruntime (see `_shared`)
+SHARED_BYTES = 1 << 16
+
+
+def _side_branch_model(hit, given, session, options, providers, provider_options, kwargs):
+    """``(bytes, plan, eager, shared)`` of the optimised model with the
+    observe-only routines attached, cached per optimisation level and
+    providers; None for the bytes if a routine reads a tensor that cannot be
+    recomputed (it then runs in the model's dataflow). ``shared``: read-only
+    views of its large initializers over the bytes, which a session may use
+    instead of copies of its own (`_shared`)."""
+    in_bodies, timed, observed = hit.observed
+    budget = fetch_budget()
+    fetch = not in_bodies and not timed and budget is not None and observed <= budget
     key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
            fetch)
     found = hit.optimised.get(key)
     if found is None:
-        optimised = _optimised_by_onnxruntime(hit.user_model(), options, providers,
+        graph, model = hit.side_graph(given, session)
+        optimised = _optimised_by_onnxruntime(given.for_onnxruntime(), options, providers,
                                               provider_options, kwargs)
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
                                      eager=not fetch and not in_bodies)
-            del optimised   # the branches own it now
+            del optimised, graph, model   # the branches own it now
             result = branches.model()
+            bound = branches.plan, branches.weights, branches._dropped
+            eager = branches.eager
+            # the user's model is no longer needed: free it (and the IR graph
+            # and the branches, whose cycles refer to it) before the model is
+            # serialized
+            del branches
+            hit.side = None
+            given.release()
+            gc.collect()
             data = result.SerializeToString()
             # observed weights: views over the bytes kept here, not copies
-            branches.bind(data)
-            found = data, branches.plan, branches.eager
+            bind_weights(data, result.graph, *bound)
+            views = initializer_views(data, [i.name for i in result.graph.initializer])
+            shared = {n: v for n, v in views.items() if v.nbytes >= SHARED_BYTES}
+            found = data, bound[0], eager, shared
+            del result, views, bound
         except _NotSide:
-            found = b"", None, False
+            found = b"", None, False, {}
         hit.optimised[key] = found
-    return found if found[0] else (None, None, False)
+    return found if found[0] else (None, None, False, {})
+
+
+def _on_cpu(providers):
+    """Whether a session with these providers runs on onnxruntime's CPU
+    provider alone."""
+    names = ort.get_available_providers() if not providers else \
+        [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
+    return all(n == "CPUExecutionProvider" for n in names)
+
+
+def _shared(sess_options, providers, shared):
+    """Fresh options (amanda's own: the user gave none) that make onnxruntime
+    use ``shared`` (name -> read-only array over the cached bytes) as those
+    initializers instead of copies (``SessionOptions.add_initializer``; the
+    arrays must outlive the session, which keeps them), or None where the
+    user's options are used (they cannot be copied, and an initializer added
+    to them would stay there) or a provider other than the CPU's runs."""
+    if sess_options is not None or not shared or not _on_cpu(providers):
+        return None, ()
+    from onnxruntime_extensions import get_library_path
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in shared.values()]
+    for name, value in zip(shared, values):
+        options.add_initializer(name, value)
+    return options, values
 
 
 def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
@@ -195,17 +297,33 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
     self._amanda_made = True
-    hit = _instrumented(sessions[-1], path_or_bytes)
+    hit, given = _instrumented(sessions[-1], path_or_bytes)
     if not hit.callbacks:
+        del given
         return _original_init(self, hit.data, sess_options, providers, provider_options,
                               **kwargs)
     options = session_options(sess_options)
     data = plan = None
     eager = False
-    if hit.side is not None:
-        data, plan, eager = _side_branch_model(hit, options, providers, provider_options,
-                                               kwargs)
+    shared = {}
+    lowered = hit.data
+    if hit.sides:
+        try:
+            data, plan, eager, shared = _side_branch_model(
+                hit, given, sessions[-1], options, providers, provider_options, kwargs)
+            if data is None:
+                lowered = hit.lowered_data(given, sessions[-1])
+        finally:
+            # neither the user's model nor the IR graph (which refers to it) is kept
+            hit.side = None
+            del given
+    else:
+        del given
     if data is not None:
+        own, values = _shared(sess_options, providers, shared)
+        if own is not None:
+            options = own
+            self._amanda_shared = values   # onnxruntime reads the arrays: keep them
         # the model is optimised already: optimising again could fuse the
         # side branches into it
         with _OPTIONS_LOCK:
@@ -228,7 +346,7 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 f"plain model's in the last bits at {options.graph_optimization_level.name} "
                 "(they are bit-identical at ORT_DISABLE_ALL; routines that only return None "
                 "never change outputs). See docs/onnx.md.", stacklevel=2)
-        _original_init(self, hit.data, options, providers, provider_options, **kwargs)
+        _original_init(self, lowered, options, providers, provider_options, **kwargs)
     checked_session(self)
     if plan is not None:
         _fetch_for(self, plan)
