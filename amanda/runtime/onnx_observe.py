@@ -83,7 +83,7 @@ class _SideBranches(_Lowering):
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
         # hosted routines' weights, read without an AmandaPut: [(callback,
-        # {position: initializer name})], bound to views by `bind`
+        # {position: initializer name})], bound to views by `bind_weights`
         self.weights = []
         self._dropped = {}
         self.result = optimized   # owned from here on: the caller does not keep it
@@ -126,16 +126,10 @@ class _SideBranches(_Lowering):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         return self.result
 
-    def bind(self, data):
-        """Give routines their weights as read-only views over ``data`` (the
-        serialized result, which the session cache keeps) where the wire
-        format allows, copies otherwise (`bind_weights`)."""
-        bind_weights(data, self.result.graph, self.plan, self.weights, self._dropped)
-
     def _hosted_callback(self, op, action, where):
         """A top-level observe-only routine inside the run: as a side branch
         (`RoutineNodes._callback`), except that the weights it reads reach
-        it as views (`bind`) rather than through AmandaPut nodes. So the
+        it as views (`bind_weights`) rather than through AmandaPut nodes. So the
         session holds each weight once (a node reading it beside a kernel
         that prepacks it would make onnxruntime keep both) and no run copies
         weights."""
@@ -323,11 +317,10 @@ def _sort_nodes_eagerly(proto, own):
 
 
 def bind_weights(data, graph, plan, weights, dropped):
-    """`_SideBranches.bind` from what it needs once the model is written:
-    the serialized model ``data``, its top ``graph``, the fetch ``plan`` (or
-    None), the hosted routines' ``weights`` and the ``dropped`` initializers'
-    values. Nothing here refers to the user's model or the IR graph, so the
-    branches can be dropped before the model is serialized."""
+    """Give `_SideBranches`' routines their weights: views over ``data`` (the
+    serialized result, kept by the cache) where possible, else copies. Needs
+    only the result's ``graph`` and the branches' ``plan``, ``weights`` and
+    ``_dropped``: the branches (and the user's model) are freed before."""
     if plan is not None:
         plan.bind(data, graph)
     names = {n for _, slots in weights for n in slots.values()}

@@ -96,10 +96,11 @@ class _Instrumented:
     """What a session inside ``apply`` runs for one model and tool set.
 
     Attributes:
-        data: the model bytes to run when routines feed the model (or
-            nothing was recorded: the user's bytes). When every routine only
-            looks they are written only if the side branches cannot be
-            attached (the lowered model is as large as the user's).
+        data: the model bytes to run when routines feed the model; None
+            when nothing was recorded (sessions read the user's model as
+            given). When every routine only looks they are written only if
+            the side branches cannot be attached (the lowered model is as
+            large as the user's).
         callbacks: they host Python routines.
         inline: some Python routine's results flow back into the model.
         sides: every routine only looks (see `_SideBranches`).
@@ -167,8 +168,9 @@ def _instrumented(session, source):
     del data, model
     lowered, lowering = _instrument(given.model(), session, callbacks=True)
     if lowered is None:
-        hit = _Instrumented(given.data if given.data is not None
-                            else given.model().SerializeToString())
+        # nothing recorded: sessions read the model from what the user gives
+        # them, which hashes to this key (no copy is kept)
+        hit = _Instrumented(None)
     elif lowering.side_only and lowering.uses_callbacks:
         # the optimised model with side branches is what runs (written per
         # optimisation level): no copy of the lowered model is kept
@@ -177,6 +179,10 @@ def _instrumented(session, source):
     else:
         hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
                             lowering.inline)
+    if not hit.sides:
+        # the IR graph's cycles refer to the user's model: free it now
+        del lowered, lowering, given._model
+        gc.collect()
     cache[key] = hit
     return hit, given
 
@@ -186,10 +192,29 @@ def _instrumented(session, source):
 _OPTIONS_LOCK = threading.Lock()
 
 
-def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs):
+def _fresh_options(level=None):
+    """New ``SessionOptions`` like amanda's default ones (the extensions' op
+    library registered), at ``level`` if given; for a session that must not
+    share options (and what is added to them) with any other."""
+    from onnxruntime_extensions import get_library_path
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    if level is not None:
+        options.graph_optimization_level = level
+    return options
+
+
+def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs):
     """The user's model (a path or bytes) as onnxruntime optimises it with
-    these options."""
+    these options (``own``: amanda's, the user gave none)."""
     import tempfile
+    if own:
+        # this session only writes the optimised model: weights packed for
+        # its kernels would only raise the build's peak (packing follows the
+        # optimisation and does not change the graph). Not in the user's
+        # options: a config entry cannot be taken back out of them
+        options = _fresh_options(options.graph_optimization_level)
+        options.add_session_config_entry("session.disable_prepacking", "1")
     with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
         path = os.path.join(folder, "optimised.onnx")
         with _OPTIONS_LOCK:
@@ -219,7 +244,8 @@ def _timed(graph):
 SHARED_BYTES = 1 << 16
 
 
-def _side_branch_model(hit, given, session, options, providers, provider_options, kwargs):
+def _side_branch_model(hit, given, session, options, own, providers, provider_options,
+                       kwargs):
     """``(bytes, plan, eager, shared)`` of the optimised model with the
     observe-only routines attached, cached per optimisation level and
     providers; None for the bytes if a routine reads a tensor that cannot be
@@ -234,8 +260,8 @@ def _side_branch_model(hit, given, session, options, providers, provider_options
     found = hit.optimised.get(key)
     if found is None:
         graph, model = hit.side_graph(given, session)
-        optimised = _optimised_by_onnxruntime(given.for_onnxruntime(), options, providers,
-                                              provider_options, kwargs)
+        optimised = _optimised_by_onnxruntime(given.for_onnxruntime(), options, own,
+                                              providers, provider_options, kwargs)
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
                                      eager=not fetch and not in_bodies)
@@ -280,9 +306,7 @@ def _shared(sess_options, providers, shared):
     to them would stay there) or a provider other than the CPU's runs."""
     if sess_options is not None or not shared or not _on_cpu(providers):
         return None, ()
-    from onnxruntime_extensions import get_library_path
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
+    options = _fresh_options()
     values = [ort.OrtValue.ortvalue_from_numpy(array) for array in shared.values()]
     for name, value in zip(shared, values):
         options.add_initializer(name, value)
@@ -300,8 +324,8 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     hit, given = _instrumented(sessions[-1], path_or_bytes)
     if not hit.callbacks:
         del given
-        return _original_init(self, hit.data, sess_options, providers, provider_options,
-                              **kwargs)
+        return _original_init(self, path_or_bytes if hit.data is None else hit.data,
+                              sess_options, providers, provider_options, **kwargs)
     options = session_options(sess_options)
     data = plan = None
     eager = False
@@ -310,7 +334,8 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     if hit.sides:
         try:
             data, plan, eager, shared = _side_branch_model(
-                hit, given, sessions[-1], options, providers, provider_options, kwargs)
+                hit, given, sessions[-1], options, sess_options is None, providers,
+                provider_options, kwargs)
             if data is None:
                 lowered = hit.lowered_data(given, sessions[-1])
         finally:
@@ -320,9 +345,9 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     else:
         del given
     if data is not None:
-        own, values = _shared(sess_options, providers, shared)
-        if own is not None:
-            options = own
+        fresh, values = _shared(sess_options, providers, shared)
+        if fresh is not None:
+            options = fresh
             self._amanda_shared = values   # onnxruntime reads the arrays: keep them
         # the model is optimised already: optimising again could fuse the
         # side branches into it
