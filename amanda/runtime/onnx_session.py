@@ -36,17 +36,31 @@ from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, 
 from amanda.runtime.onnx_wire import initializer_views
 
 
-def _model_bytes(source):
-    """(bytes, ModelProto or None, whether onnxruntime may read the model
-    from its file) of what ``InferenceSession`` was given."""
+def _model_key(source, stat):
+    """(SHA-256 of the model, its bytes or None, ModelProto or None, whether
+    onnxruntime may read the model from its file) of what
+    ``InferenceSession`` was given (``stat``: its file's before reading)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), None, False
+        data = bytes(source)
+        return hashlib.sha256(data).hexdigest(), data, None, False
     if isinstance(source, (str, os.PathLike)):
         model, external = load_model_file(source)   # with external data, if any
+        if not external:
+            # the file's own bytes, read in pieces (no copy of the model's
+            # bytes beside the loaded model): a session from the same bytes
+            # has the same key. Unless the file changed while it was read
+            digest = hashlib.sha256()
+            with open(source, "rb") as file:
+                for piece in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(piece)
+            after = os.stat(source)
+            if (after.st_size, after.st_mtime_ns) == (stat.st_size, stat.st_mtime_ns):
+                return digest.hexdigest(), None, model, True
         # onnxruntime saves the model it optimised from a file with external
         # data pointing at data files beside the saved copy, which do not
         # exist: such a model is handed to it as bytes (its data read in)
-        return model.SerializeToString(), model, not external
+        data = model.SerializeToString()
+        return hashlib.sha256(data).hexdigest(), None, model, False
     raise BackendError(f"amanda cannot instrument an InferenceSession created from a "
                        f"{type(source).__name__}")
 
@@ -154,12 +168,8 @@ def _instrumented(session, source):
     """(the `_Instrumented` model for ``source``, cached per amanda session
     by the SHA-256 of the model; the `_Given` model of this call)."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
-    data, model, from_file = _model_bytes(source)
-    key = hashlib.sha256(data).hexdigest()
-    file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) \
-        if stat is not None and from_file else None
-    if model is not None:   # read from a file: the bytes were only needed for the key
-        data = None
+    key, data, model, from_file = _model_key(source, stat)
+    file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) if from_file else None
     given = _Given(data, model, file)
     cache = session.caches.setdefault("onnx", {})
     hit = cache.get(key) if controls.state.cache else None
