@@ -397,12 +397,12 @@ class _FetchPlan:
         model the session is created from, which the session cache keeps)
         where the wire format allows, copies from ``proto`` otherwise."""
         views = initializer_views(data, self.constants)
-        for initializer in proto.initializer:
-            if initializer.name in self.constants and self.constants[initializer.name] is None:
-                value = views.get(initializer.name)
-                if value is None:
-                    value = numpy_helper.to_array(initializer)
-                self.constants[initializer.name] = _read_only(value)
+        for initializer in proto.initializer:   # (``proto`` may hold only those)
+            if initializer.name in self.constants and initializer.name not in views:
+                views[initializer.name] = numpy_helper.to_array(initializer)
+        for name, value in views.items():
+            if self.constants[name] is None:
+                self.constants[name] = _read_only(value)
 
     def fetches(self, output_names):
         """(names to fetch, how many of them the caller asked for)."""

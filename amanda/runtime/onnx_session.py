@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import tempfile
 import threading
 import warnings
 
@@ -33,7 +34,7 @@ from amanda.runtime.onnx_lowering import lower
 from amanda.runtime.observation import fetch_budget
 from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
-from amanda.runtime.onnx_wire import initializer_views
+from amanda.runtime.onnx_wire import initializer_views, viewable, write_model
 
 
 def _model_key(source, stat):
@@ -217,7 +218,6 @@ def _fresh_options(level=None):
 def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs):
     """The user's model (a path or bytes) as onnxruntime optimises it with
     these options (``own``: amanda's, the user gave none)."""
-    import tempfile
     if own:
         # this session only writes the optimised model: weights packed for
         # its kernels would only raise the build's peak (packing follows the
@@ -286,13 +286,28 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             hit.side = None
             given.release()
             gc.collect()
-            data = result.SerializeToString()
+            needed = set(bound[0].constants) if bound[0] is not None else set()
+            needed.update(n for _, slots in bound[1] for n in slots.values())
+            names = [i.name for i in result.graph.initializer]
+            # copies of the observed weights no view can be made of
+            fallback = onnx.GraphProto()
+            fallback.initializer.extend(i for i in result.graph.initializer
+                                        if i.name in needed and not viewable(i))
+            with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
+                # written a weight at a time and read back once the model is
+                # freed: one serialized copy at a time, not three
+                write_model(result, file)
+                del result
+                file.seek(0)
+                data = file.read()
+            views = initializer_views(data, names)
+            if needed - set(views) - {i.name for i in fallback.initializer}:
+                fallback = onnx.ModelProto.FromString(data).graph   # malformed: copy from it
             # observed weights: views over the bytes kept here, not copies
-            bind_weights(data, result.graph, *bound)
-            views = initializer_views(data, [i.name for i in result.graph.initializer])
+            bind_weights(data, fallback, *bound)
             shared = {n: v for n, v in views.items() if v.nbytes >= SHARED_BYTES}
             found = data, bound[0], eager, shared
-            del result, views, bound
+            del views, bound, fallback
         except _NotSide:
             found = b"", None, False, {}
         hit.optimised[key] = found

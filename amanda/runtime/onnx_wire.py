@@ -130,3 +130,66 @@ def initializer_views(data, names):
     for array in found.values():
         array.flags.writeable = False
     return found
+
+
+def viewable(tensor):
+    """Whether `initializer_views` can view the ``TensorProto`` (well-formed)
+    once serialized: plain raw data of a plain element type."""
+    return (tensor.HasField("raw_data") and tensor.data_type in _PLAIN
+            and tensor.data_location != 1)   # not EXTERNAL
+
+
+def _varint_bytes(value):
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _repeated(field):
+    flag = getattr(field, "is_repeated", None)
+    return flag if flag is not None else field.label == 3   # LABEL_REPEATED
+
+
+def _copy_fields(source, target, skip):
+    """Copy the set fields of ``source`` but ``skip`` into ``target``."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if _repeated(field):
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+def write_model(model, file):
+    """Write a ``ModelProto`` to the binary ``file`` as ``SerializeToString``
+    would (fields in another order, which parses to an equal message), one
+    top-level initializer at a time: no serialized copy of the whole model
+    is made beside it (``SerializeToString`` makes two, protobuf's buffer and
+    the ``bytes``). `initializer_views` walks the result."""
+    from onnx import GraphProto
+    head = type(model)()
+    _copy_fields(model, head, "graph")
+    file.write(head.SerializeToString())
+    if not model.HasField("graph"):
+        return
+    graph = model.graph
+    rest = GraphProto()
+    _copy_fields(graph, rest, "initializer")
+    rest = rest.SerializeToString()
+    sizes = [tensor.ByteSize() for tensor in graph.initializer]
+    tag = bytes([_GRAPH_INITIALIZER << 3 | 2])
+    length = len(rest) + sum(len(tag) + len(_varint_bytes(size)) + size for size in sizes)
+    file.write(bytes([_MODEL_GRAPH << 3 | 2]) + _varint_bytes(length))
+    file.write(rest)
+    for tensor, size in zip(graph.initializer, sizes):
+        file.write(tag + _varint_bytes(size))
+        file.write(tensor.SerializeToString())

@@ -12,6 +12,7 @@ plain session on a model with one large weight.
 
 import contextlib
 import gc
+import io
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 import amanda
 from amanda import controls
 from amanda.runtime.onnx import hosted_observation
-from amanda.runtime.onnx_wire import initializer_views
+from amanda.runtime.onnx_wire import initializer_views, write_model
 from tests.onnx.conftest import TensorProto, helper, numpy_helper, onnx, ort, same  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,6 +76,48 @@ def test_truncated_or_foreign_bytes_give_no_views():
     assert initializer_views(data[:len(data) // 2], ["w0", "w1"]) == {}
     assert initializer_views(b"\xff" * 64, ["w0"]) == {}
     assert initializer_views(data, []) == {}
+
+
+def test_write_model_parses_to_the_same_model_and_views_walk_it():
+    model = typed_model()
+    model.doc_string = "typed"
+    model.metadata_props.add(key="k", value="v")
+    file = io.BytesIO()
+    write_model(model, file)
+    data = file.getvalue()
+    assert onnx.ModelProto.FromString(data) == model
+    assert len(data) == len(model.SerializeToString())
+    expected = initializer_views(model.SerializeToString(), [i.name for i in model.graph.initializer])
+    views = initializer_views(data, list(expected))
+    assert set(views) == set(expected)
+    assert all(same(views[n], expected[n]) for n in views)
+
+
+@pytest.mark.parametrize("hosted", [False, True], ids=["fetched", "hosted"])
+def test_weights_no_view_reaches_are_copied(hosted):
+    """Weights stored in typed fields (no raw data) reach the routines as
+    copies, the others as views; all equal to ``numpy_helper.to_array``."""
+    initializers = [numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "raw"),
+                    helper.make_tensor("typed", TensorProto.FLOAT, [2, 2], [1.0, 2.0, 3.0, 4.0]),
+                    helper.make_tensor("ints", TensorProto.INT32, [3], [7, 8, 9])]
+    nodes = [helper.make_node("Identity", [i.name], [i.name + "_out"], name=i.name)
+             for i in initializers]
+    outputs = [helper.make_tensor_value_info(i.name + "_out", i.data_type, list(i.dims))
+               for i in initializers]
+    model = helper.make_model(helper.make_graph(nodes, "typed", [], outputs, initializers),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    tool = Weights()
+    with amanda.apply(tool), (hosted_observation() if hosted else contextlib.nullcontext()):
+        session = ort.InferenceSession(model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+    session.run(None, {})
+    seen = {op: arrays for op, arrays in tool.seen}
+    assert set(seen) == {"raw", "typed", "ints"}
+    for initializer in initializers:
+        (observed,) = seen[initializer.name]
+        assert same(observed, numpy_helper.to_array(initializer)), initializer.name
+        assert not observed.flags.writeable
 
 
 class Weights(amanda.Tool):
