@@ -34,7 +34,7 @@ from amanda.runtime.onnx_lowering import lower
 from amanda.runtime.observation import fetch_budget
 from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
-from amanda.runtime.onnx_wire import initializer_views, viewable, write_model
+from amanda.runtime.onnx_wire import initializer_views, raw_size, viewable, write_model
 
 
 def _model_key(source, stat):
@@ -293,10 +293,15 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             fallback = onnx.GraphProto()
             fallback.initializer.extend(i for i in result.graph.initializer
                                         if i.name in needed and not viewable(i))
+            large = {}
+            for initializer in result.graph.initializer:
+                if viewable(initializer) and raw_size(initializer) >= SHARED_BYTES:
+                    large[initializer.name] = raw_size(initializer)
             with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
                 # written a weight at a time and read back once the model is
                 # freed: one serialized copy at a time, not three
                 write_model(result, file)
+                lean = _lean(result, large)
                 del result
                 file.seek(0)
                 data = file.read()
@@ -305,13 +310,40 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 fallback = onnx.ModelProto.FromString(data).graph   # malformed: copy from it
             # observed weights: views over the bytes kept here, not copies
             bind_weights(data, fallback, *bound)
-            shared = {n: v for n, v in views.items() if v.nbytes >= SHARED_BYTES}
-            found = data, bound[0], eager, shared
+            shared = {n: views[n] for n in large if n in views}
+            if len(shared) != len(large):
+                lean = None   # (malformed) every weight left out must be shared
+            found = data, bound[0], eager, shared, lean
             del views, bound, fallback
         except _NotSide:
-            found = b"", None, False, {}
+            found = b"", None, False, {}, None
         hit.optimised[key] = found
-    return found if found[0] else (None, None, False, {})
+    return found if found[0] else (None, None, False, {}, None)
+
+
+#: the file a lean model's shared initializers name (see `_lean`)
+SHARED_FILE = "amanda-shared.bin"
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def _lean(model, large):
+    """``(bytes, extent)``: ``model`` (changed in place) with the ``large``
+    initializers (name -> bytes) as external data in `SHARED_FILE`, at
+    offsets below ``extent``. A session given the shared arrays for them
+    never reads that file (an empty sparse file of ``extent`` bytes, made per
+    session): onnxruntime then parses no weight beside the kept ones."""
+    offset = 0
+    for tensor in model.graph.initializer:
+        size = large.get(tensor.name)
+        if size is None:
+            continue
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", SHARED_FILE), ("offset", str(offset)),
+                           ("length", str(size))):
+            tensor.external_data.add(key=key, value=value)
+        offset += -(-size // 4096) * 4096
+    return model.SerializeToString(), offset
 
 
 def _on_cpu(providers):
@@ -356,9 +388,10 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     eager = False
     shared = {}
     lowered = hit.data
+    lean = None
     if hit.sides:
         try:
-            data, plan, eager, shared = _side_branch_model(
+            data, plan, eager, shared, lean = _side_branch_model(
                 hit, given, sessions[-1], options, sess_options is None, providers,
                 provider_options, kwargs)
             if data is None:
@@ -371,9 +404,15 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         del given
     if data is not None:
         fresh, values = _shared(sess_options, providers, shared)
+        folder = None
         if fresh is not None:
             options = fresh
             self._amanda_shared = values   # onnxruntime reads the arrays: keep them
+            if lean is not None:
+                folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
+                with open(os.path.join(folder.name, SHARED_FILE), "wb") as stub:
+                    stub.truncate(lean[1])
+                options.add_session_config_entry(_EXTERNAL_FOLDER, folder.name)
         # the model is optimised already: optimising again could fuse the
         # side branches into it
         with _OPTIONS_LOCK:
@@ -384,9 +423,19 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 # producers: run nodes in that order (see _sort_nodes_eagerly)
                 options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
             try:
-                _original_init(self, data, options, providers, provider_options, **kwargs)
+                if folder is not None:
+                    try:
+                        _original_init(self, lean[0], options, providers, provider_options,
+                                       **kwargs)
+                    except Exception:   # an onnxruntime without that option: all weights
+                        _original_init(self, data, options, providers, provider_options,
+                                       **kwargs)
+                else:
+                    _original_init(self, data, options, providers, provider_options, **kwargs)
             finally:
                 options.graph_optimization_level, options.execution_order = level, order
+                if folder is not None:
+                    folder.cleanup()
     else:
         if hit.inline and options.graph_optimization_level != \
                 ort.GraphOptimizationLevel.ORT_DISABLE_ALL:

@@ -139,6 +139,14 @@ def viewable(tensor):
             and tensor.data_location != 1)   # not EXTERNAL
 
 
+def raw_size(tensor):
+    """Bytes of a `viewable` ``TensorProto``'s raw data, from its shape."""
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * np.dtype(_PLAIN[tensor.data_type]).itemsize
+
+
 def _varint_bytes(value):
     out = bytearray()
     while True:
