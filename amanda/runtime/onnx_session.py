@@ -83,10 +83,17 @@ class _Given:
         self.data = data
         self._model = model
         self.file = file
+        self.ahead = None   # (level key, folder, path) optimised before loading
 
     def model(self):
         if self._model is None:
-            self._model = load_model(self.data)
+            if self.data is None:   # read from its file again, which must not have changed
+                if not isinstance(self.for_onnxruntime(), str):
+                    raise BackendError(f"the ONNX model file {self.file[0]!r} changed while "
+                                       "amanda read it")
+                self._model = load_model_file(self.file[0])[0]
+            else:
+                self._model = load_model(self.data)
         return self._model
 
     def release(self):
@@ -104,7 +111,10 @@ class _Given:
                 stat = None
             if stat is not None and (stat.st_size, stat.st_mtime_ns) == (size, mtime):
                 return path
-        return self.data if self.data is not None else self.model().SerializeToString()
+        if self.data is None and self._model is None:
+            raise BackendError(f"the ONNX model file {self.file[0]!r} changed while amanda "
+                               "read it")
+        return self.data if self.data is not None else self._model.SerializeToString()
 
 
 class _Instrumented:
@@ -165,9 +175,15 @@ class _Instrumented:
         return self._data
 
 
-def _instrumented(session, source):
+def _instrumented(session, source, ahead=None):
     """(the `_Instrumented` model for ``source``, cached per amanda session
-    by the SHA-256 of the model; the `_Given` model of this call)."""
+    by the SHA-256 of the model; the `_Given` model of this call).
+
+    ``ahead`` (`_ahead`), on a miss for a model onnxruntime reads from the
+    user's file or bytes: onnxruntime optimises it before it is loaded for
+    instrumentation (then it would run beside the loaded model and the IR
+    graph, which refers to it); if the routines turn out not to be
+    observe-only, that optimisation was wasted."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
     key, data, model, from_file = _model_key(source, stat)
     file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) if from_file else None
@@ -177,6 +193,12 @@ def _instrumented(session, source):
     if hit is not None:
         return hit, given
     del data, model
+    if ahead is not None and (given.file is not None or given.data is not None):
+        given.release()
+        try:
+            given.ahead = ahead(given.for_onnxruntime())
+        except Exception:   # reported as without it: by instrumenting, or by the session
+            given.ahead = None
     lowered, lowering = _instrument(given.model(), session, callbacks=True)
     if lowered is None:
         # nothing recorded: sessions read the model from what the user gives
@@ -216,8 +238,9 @@ def _fresh_options(level=None):
 
 
 def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs):
-    """The user's model (a path or bytes) as onnxruntime optimises it with
-    these options (``own``: amanda's, the user gave none)."""
+    """(temporary folder, ModelProto): the user's model (a path or bytes) as
+    onnxruntime optimises it with these options (``own``: amanda's, the user
+    gave none; the weights then stay in the folder as external data)."""
     if own:
         # this session only writes the optimised model: weights packed for
         # its kernels would only raise the build's peak (packing follows the
@@ -225,20 +248,56 @@ def _optimised_by_onnxruntime(data, options, own, providers, provider_options, k
         # options: a config entry cannot be taken back out of them
         options = _fresh_options(options.graph_optimization_level)
         options.add_session_config_entry("session.disable_prepacking", "1")
-    with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
-        path = os.path.join(folder, "optimised.onnx")
-        with _OPTIONS_LOCK:
-            saved = options.optimized_model_filepath, options.log_severity_level
-            options.optimized_model_filepath = path
-            # saving at level ALL warns that NCHWc layouts are machine-specific:
-            # the file never leaves this process
-            options.log_severity_level = 3
-            try:
-                _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
-                               options, providers, provider_options, **kwargs)
-            finally:
-                options.optimized_model_filepath, options.log_severity_level = saved
-        return onnx.load(path)
+    folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
+    try:
+        path = _optimise_into(folder.name, data, options, own, providers, provider_options,
+                              kwargs)
+        return folder, onnx.load(path, load_external_data=False)
+    except BaseException:
+        folder.cleanup()
+        raise
+
+
+def _optimise_into(folder, data, options, own, providers, provider_options, kwargs):
+    """The path in ``folder`` of the model onnxruntime optimised. With
+    amanda's own options (``own``) its weights are external data in
+    `OPTIMISED_WEIGHTS` beside it, read a weight at a time by `write_model`
+    (loading them with the model would hold them twice for a while)."""
+    path = os.path.join(folder, "optimised.onnx")
+    if own:
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", OPTIMISED_WEIGHTS)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes",
+            str(SHARED_BYTES))
+    with _OPTIONS_LOCK:
+        saved = options.optimized_model_filepath, options.log_severity_level
+        options.optimized_model_filepath = path
+        # saving at level ALL warns that NCHWc layouts are machine-specific:
+        # the file never leaves this process
+        options.log_severity_level = 3
+        try:
+            _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
+                           options, providers, provider_options, **kwargs)
+        finally:
+            options.optimized_model_filepath, options.log_severity_level = saved
+    return path
+
+
+#: the optimised model's weights file (amanda's own options), beside it
+OPTIMISED_WEIGHTS = "optimised.weights"
+
+
+def _ahead(providers, provider_options, kwargs):
+    """For a session without the user's options: a function optimising the
+    model (a path or bytes) before it is loaded for instrumentation (see
+    `_instrumented`), returning ``(level key, folder, ModelProto)``."""
+    def optimise(source):
+        options = session_options(None)
+        level = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
+        return (level,) + _optimised_by_onnxruntime(source, options, True, providers,
+                                                    provider_options, kwargs)
+    return optimise
 
 
 def _timed(graph):
@@ -270,8 +329,12 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
     found = hit.optimised.get(key)
     if found is None:
         graph, model = hit.side_graph(given, session)
-        optimised = _optimised_by_onnxruntime(given.for_onnxruntime(), options, own,
-                                              providers, provider_options, kwargs)
+        if given.ahead is not None and given.ahead[0] == key[:3]:
+            folder, optimised = given.ahead[1:]
+        else:
+            folder, optimised = _optimised_by_onnxruntime(
+                given.for_onnxruntime(), options, own, providers, provider_options, kwargs)
+        given.ahead = None
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
                                      eager=not fetch and not in_bodies)
@@ -292,15 +355,17 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             # copies of the observed weights no view can be made of
             fallback = onnx.GraphProto()
             fallback.initializer.extend(i for i in result.graph.initializer
-                                        if i.name in needed and not viewable(i))
+                                        if i.name in needed and not viewable(i, folder.name))
             large = {}
             for initializer in result.graph.initializer:
-                if viewable(initializer) and raw_size(initializer) >= SHARED_BYTES:
+                if viewable(initializer, folder.name) and raw_size(initializer) >= SHARED_BYTES:
                     large[initializer.name] = raw_size(initializer)
             with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
-                # written a weight at a time and read back once the model is
+                # written a weight at a time (those onnxruntime left in the
+                # folder read from there) and read back once the model is
                 # freed: one serialized copy at a time, not three
-                write_model(result, file)
+                write_model(result, file, folder.name)
+                folder.cleanup()
                 lean = _lean(result, large)
                 del result
                 file.seek(0)
@@ -338,6 +403,7 @@ def _lean(model, large):
         if size is None:
             continue
         tensor.ClearField("raw_data")
+        tensor.ClearField("external_data")
         tensor.data_location = onnx.TensorProto.EXTERNAL
         for key, value in (("location", SHARED_FILE), ("offset", str(offset)),
                            ("length", str(size))):
@@ -378,7 +444,8 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
     self._amanda_made = True
-    hit, given = _instrumented(sessions[-1], path_or_bytes)
+    hit, given = _instrumented(sessions[-1], path_or_bytes, None if sess_options is not None
+                               else _ahead(providers, provider_options, kwargs))
     if not hit.callbacks:
         del given
         return _original_init(self, path_or_bytes if hit.data is None else hit.data,

@@ -93,6 +93,24 @@ def test_write_model_parses_to_the_same_model_and_views_walk_it():
     assert all(same(views[n], expected[n]) for n in views)
 
 
+def test_write_model_reads_external_data_from_its_folder(tmp_path):
+    """How the optimised model onnxruntime wrote with its weights beside it
+    becomes the kept bytes: the external weights are written inline."""
+    model, weight = matmul_model()
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.weights", size_threshold=0)
+    lean = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert lean.graph.initializer[0].data_location == TensorProto.EXTERNAL
+    file = io.BytesIO()
+    write_model(lean, file, str(tmp_path))
+    written = onnx.ModelProto.FromString(file.getvalue())
+    assert same(numpy_helper.to_array(written.graph.initializer[0]), weight)
+    assert same(initializer_views(file.getvalue(), ["W"])["W"], weight)
+    file = io.BytesIO()
+    write_model(lean, file)   # no folder: left external
+    assert onnx.ModelProto.FromString(file.getvalue()) == lean
+
+
 @pytest.mark.parametrize("hosted", [False, True], ids=["fetched", "hosted"])
 def test_weights_no_view_reaches_are_copied(hosted):
     """Weights stored in typed fields (no raw data) reach the routines as
