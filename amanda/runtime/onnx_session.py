@@ -354,8 +354,9 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             names = [i.name for i in result.graph.initializer]
             # copies of the observed weights no view can be made of
             fallback = onnx.GraphProto()
-            fallback.initializer.extend(i for i in result.graph.initializer
-                                        if i.name in needed and not viewable(i, folder.name))
+            fallback.initializer.extend(
+                i for i in result.graph.initializer if i.name in needed
+                and not viewable(i, folder.name) and i.data_location != onnx.TensorProto.EXTERNAL)
             large = {}
             for initializer in result.graph.initializer:
                 if viewable(initializer, folder.name) and raw_size(initializer) >= SHARED_BYTES:
@@ -372,7 +373,8 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 data = file.read()
             views = initializer_views(data, names)
             if needed - set(views) - {i.name for i in fallback.initializer}:
-                fallback = onnx.ModelProto.FromString(data).graph   # malformed: copy from it
+                # malformed, or external data of a type no view is made of: copy from it
+                fallback = onnx.ModelProto.FromString(data).graph
             # observed weights: views over the bytes kept here, not copies
             bind_weights(data, fallback, *bound)
             shared = {n: views[n] for n in large if n in views}
