@@ -140,17 +140,20 @@ class _Lowering(RoutineNodes):
 
     # -- model and graphs
     def model(self):
-        graph = self.graph(self.top)
+        # the graph is written in place (``helper.make_model`` would copy it,
+        # weights included, beside the one written)
+        model = onnx.ModelProto()
+        self.graph(self.top, into=model.graph)
         meta = self.meta
         if self.uses_callbacks and all(d != CALLBACK_DOMAIN for d, _ in self.opsets):
             self.opsets.append([CALLBACK_DOMAIN, 1])
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets],
-            producer_name=meta.get("producer_name", "amanda"),
-            producer_version=meta.get("producer_version", ""),
-            domain=meta.get("domain", ""), model_version=meta.get("model_version", 0),
-            doc_string=meta.get("doc_string", ""),
-            functions=[f.message for f in meta.get("functions", ())])
+        model.opset_import.extend(helper.make_opsetid(d, v) for d, v in self.opsets)
+        model.functions.extend(f.message for f in meta.get("functions", ()))
+        model.producer_name = meta.get("producer_name", "amanda")
+        model.producer_version = meta.get("producer_version", "")
+        model.domain = meta.get("domain", "")
+        model.model_version = meta.get("model_version", 0)
+        model.doc_string = meta.get("doc_string", "")
         model.ir_version = self.ir_version
         for key, value in meta.get("metadata_props", ()):
             model.metadata_props.add(key=key, value=value)
@@ -158,11 +161,12 @@ class _Lowering(RoutineNodes):
             model.training_info.add().CopyFrom(info.message)
         return model
 
-    def graph(self, ir_graph):
+    def graph(self, ir_graph, into=None):
         meta = ir_graph.attrs.get("_onnx") or {}
         saved = self._enter_graph(ir_graph)
-        proto = self.graph_proto = onnx.GraphProto(name=meta.get("name", ir_graph.name),
-                                                   doc_string=meta.get("doc_string", ""))
+        proto = self.graph_proto = onnx.GraphProto() if into is None else into
+        proto.name = meta.get("name", ir_graph.name)
+        proto.doc_string = meta.get("doc_string", "")
         try:
             self._name_outputs(ir_graph, meta)
             self.ranks_known = all(self.tensor_type(t)[1] is not None for t in ir_graph.outputs

@@ -83,7 +83,7 @@ class _SideBranches(_Lowering):
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
         # hosted routines' weights, read without an AmandaPut: [(callback,
-        # {position: initializer name})], bound to views by `bind`
+        # {position: initializer name})], bound to views by `bind_weights`
         self.weights = []
         self._dropped = {}
         self.result = optimized   # owned from here on: the caller does not keep it
@@ -126,28 +126,10 @@ class _SideBranches(_Lowering):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         return self.result
 
-    def bind(self, data):
-        """Give routines their weights as read-only views over ``data`` (the
-        serialized result, which the session cache keeps) where the wire
-        format allows, copies otherwise."""
-        graph = self.result.graph
-        if self.plan is not None:
-            self.plan.bind(data, graph)
-        names = {n for _, slots in self.weights for n in slots.values()}
-        if not names:
-            return
-        values = initializer_views(data, names)
-        for initializer in graph.initializer:
-            if initializer.name in names and initializer.name not in values:
-                values[initializer.name] = numpy_helper.to_array(initializer)
-        values.update((n, a) for n, a in self._dropped.items() if n in names)
-        for callback, slots in self.weights:
-            callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
-
     def _hosted_callback(self, op, action, where):
         """A top-level observe-only routine inside the run: as a side branch
         (`RoutineNodes._callback`), except that the weights it reads reach
-        it as views (`bind`) rather than through AmandaPut nodes. So the
+        it as views (`bind_weights`) rather than through AmandaPut nodes. So the
         session holds each weight once (a node reading it beside a kernel
         that prepacks it would make onnxruntime keep both) and no run copies
         weights."""
@@ -334,6 +316,25 @@ def _sort_nodes_eagerly(proto, own):
         proto.node.extend(nodes[k] for k in order)
 
 
+def bind_weights(data, graph, plan, weights, dropped):
+    """Give `_SideBranches`' routines their weights: views over ``data`` (the
+    serialized result, kept by the cache) where possible, else copies. Needs
+    only the result's ``graph`` and the branches' ``plan``, ``weights`` and
+    ``_dropped``: the branches (and the user's model) are freed before."""
+    if plan is not None:
+        plan.bind(data, graph)
+    names = {n for _, slots in weights for n in slots.values()}
+    if not names:
+        return
+    values = initializer_views(data, names)
+    for initializer in graph.initializer:
+        if initializer.name in names and initializer.name not in values:
+            values[initializer.name] = numpy_helper.to_array(initializer)
+    values.update((n, a) for n, a in dropped.items() if n in names)
+    for callback, slots in weights:
+        callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
+
+
 class _Available:
     """Names of one graph of the optimised model (and the user's version of it)."""
 
@@ -396,12 +397,12 @@ class _FetchPlan:
         model the session is created from, which the session cache keeps)
         where the wire format allows, copies from ``proto`` otherwise."""
         views = initializer_views(data, self.constants)
-        for initializer in proto.initializer:
-            if initializer.name in self.constants and self.constants[initializer.name] is None:
-                value = views.get(initializer.name)
-                if value is None:
-                    value = numpy_helper.to_array(initializer)
-                self.constants[initializer.name] = _read_only(value)
+        for initializer in proto.initializer:   # (``proto`` may hold only those)
+            if initializer.name in self.constants and initializer.name not in views:
+                views[initializer.name] = numpy_helper.to_array(initializer)
+        for name, value in views.items():
+            if self.constants[name] is None:
+                self.constants[name] = _read_only(value)
 
     def fetches(self, output_names):
         """(names to fetch, how many of them the caller asked for)."""

@@ -12,8 +12,10 @@ instrumented model with routines in its dataflow.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+import tempfile
 import threading
 import warnings
 
@@ -29,52 +31,77 @@ from amanda.runtime.onnx_bodies import _bodies_host_routines
 from amanda.runtime.onnx_host import _original_init, checked_session, run_methods, session_options
 from amanda.runtime.onnx_instrument import _instrument
 from amanda.runtime.onnx_lowering import lower
-from amanda.runtime.onnx_observe import _fetch_for, _fetches, _NotSide, _SideBranches
+from amanda.runtime.observation import fetch_budget
+from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
+                                         bind_weights)
+from amanda.runtime.onnx_wire import initializer_views, raw_size, viewable, write_model
 
 
-def _model_bytes(source):
-    """(bytes, ModelProto or None, whether onnxruntime may read the model
-    from its file) of what ``InferenceSession`` was given."""
+def _model_key(source, stat):
+    """(SHA-256 of the model, its bytes or None, ModelProto or None, whether
+    onnxruntime may read the model from its file) of what
+    ``InferenceSession`` was given (``stat``: its file's before reading)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), None, False
+        data = bytes(source)
+        return hashlib.sha256(data).hexdigest(), data, None, False
     if isinstance(source, (str, os.PathLike)):
         model, external = load_model_file(source)   # with external data, if any
+        if not external:
+            # the file's own bytes, read in pieces (no copy of the model's
+            # bytes beside the loaded model): a session from the same bytes
+            # has the same key. Unless the file changed while it was read
+            digest = hashlib.sha256()
+            with open(source, "rb") as file:
+                for piece in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(piece)
+            after = os.stat(source)
+            if (after.st_size, after.st_mtime_ns) == (stat.st_size, stat.st_mtime_ns):
+                return digest.hexdigest(), None, model, True
         # onnxruntime saves the model it optimised from a file with external
         # data pointing at data files beside the saved copy, which do not
         # exist: such a model is handed to it as bytes (its data read in)
-        return model.SerializeToString(), model, not external
+        data = model.SerializeToString()
+        return hashlib.sha256(data).hexdigest(), None, model, False
     raise BackendError(f"amanda cannot instrument an InferenceSession created from a "
                        f"{type(source).__name__}")
 
 
-class _Instrumented:
-    """What a session inside ``apply`` runs for one model and tool set.
+class _Given:
+    """The model of the ``InferenceSession`` call being served: its bytes
+    hash to the cache key, so it is the model the cached entry was made
+    from. The cache keeps no copy of it; an entry needing it again (another
+    optimisation level) takes it from here.
 
-    Attributes:
-        data: the model bytes to run when routines feed the model (or
-            nothing was recorded: the user's bytes). When every routine only
-            looks they are written only if the side branches cannot be
-            attached (the lowered model is as large as the user's).
-        callbacks: they host Python routines.
-        inline: some Python routine's results flow back into the model.
-        side: ``(lowered IR graph, user's ModelProto)`` when every routine
-            only looks (see `_SideBranches`), else None.
-        optimised: side-branch models by (optimisation level, providers).
-        file: ``(path, size, mtime)`` of the file the model was read from, if
-            any: onnxruntime optimises it from there while it is unchanged
-            (no serialized copy of the model beside the loaded one).
+    Args:
+        data: the model's bytes (what the key hashes), or None once dropped.
+        model: the loaded ModelProto, or None until `model` loads it.
+        file: ``(path, size, mtime)`` of the file it was read from when
+            onnxruntime may read that file itself (no external data).
     """
 
-    def __init__(self, data, callbacks=False, inline=False, side=None):
-        self._data = data
-        self.callbacks = callbacks
-        self.inline = inline
-        self.side = side
-        self.optimised = {}
-        self.file = None
+    def __init__(self, data, model, file):
+        self.data = data
+        self._model = model
+        self.file = file
+        self.ahead = None   # (level key, folder, path) optimised before loading
 
-    def user_model(self):
-        """What onnxruntime should read the user's model from: its file while
+    def model(self):
+        if self._model is None:
+            if self.data is None:   # read from its file again, which must not have changed
+                if not isinstance(self.for_onnxruntime(), str):
+                    raise BackendError(f"the ONNX model file {self.file[0]!r} changed while "
+                                       "amanda read it")
+                self._model = load_model_file(self.file[0])[0]
+            else:
+                self._model = load_model(self.data)
+        return self._model
+
+    def release(self):
+        """Drop the loaded model (kept while the bytes are: they are the user's)."""
+        self._model = None
+
+    def for_onnxruntime(self):
+        """What onnxruntime should read the model from: its file while
         unchanged, else its bytes."""
         if self.file is not None:
             path, size, mtime = self.file
@@ -84,45 +111,113 @@ class _Instrumented:
                 stat = None
             if stat is not None and (stat.st_size, stat.st_mtime_ns) == (size, mtime):
                 return path
-        return self.side[1].SerializeToString()
+        if self.data is None and self._model is None:
+            raise BackendError(f"the ONNX model file {self.file[0]!r} changed while amanda "
+                               "read it")
+        return self.data if self.data is not None else self._model.SerializeToString()
+
+
+class _Instrumented:
+    """What a session inside ``apply`` runs for one model and tool set.
+
+    Attributes:
+        data: the model bytes to run when routines feed the model; None
+            when nothing was recorded (sessions read the user's model as
+            given). When every routine only looks they are written only if
+            the side branches cannot be attached (the lowered model is as
+            large as the user's).
+        callbacks: they host Python routines.
+        inline: some Python routine's results flow back into the model.
+        sides: every routine only looks (see `_SideBranches`).
+        side: ``(lowered IR graph, user's ModelProto)`` while the session
+            that made the entry is created; then dropped (the IR graph refers
+            to the model's protobuf messages, so keeping it would keep the
+            whole model): another optimisation level instruments the model of
+            its own call again.
+        observed: for `sides`: (routines in bodies, a routine was recorded
+            in `hosted_observation`, bytes the top-level routines read).
+        optimised: side-branch models by (optimisation level, providers,
+            fetched): ``(bytes, plan, eager, shared)``.
+    """
+
+    def __init__(self, data, callbacks=False, inline=False, side=None):
+        self._data = data
+        self.callbacks = callbacks
+        self.inline = inline
+        self.sides = side is not None
+        self.side = side
+        self.observed = None
+        if side is not None:
+            graph = side[0]
+            self.observed = (_bodies_host_routines(graph), _timed(graph), _observed_bytes(graph))
+        self.optimised = {}
+
+    def side_graph(self, given, session):
+        """``(lowered IR graph, ModelProto)``: the entry's while it has them,
+        else from instrumenting the given model again."""
+        if self.side is not None:
+            return self.side
+        model = given.model()
+        lowered, lowering = _instrument(model, session, callbacks=True)
+        del lowered
+        if lowering is None or not lowering.side_only:
+            raise BackendError("amanda: instrumenting the model again gave another plan")
+        return lowering.top, model
+
+    def lowered_data(self, given, session):
+        """The lowered model's bytes (side branches could not be attached)."""
+        if self._data is None:
+            self._data = lower(self.side_graph(given, session)[0]).SerializeToString()
+        return self._data
 
     @property
     def data(self):
-        if self._data is None:
-            self._data = lower(self.side[0]).SerializeToString()
         return self._data
 
 
-def _instrumented(session, source):
-    """The `_Instrumented` model for ``source``, cached per amanda session by
-    the SHA-256 of the model."""
+def _instrumented(session, source, ahead=None):
+    """(the `_Instrumented` model for ``source``, cached per amanda session
+    by the SHA-256 of the model; the `_Given` model of this call).
+
+    ``ahead`` (`_ahead`), on a miss for a model onnxruntime reads from the
+    user's file or bytes: onnxruntime optimises it before it is loaded for
+    instrumentation (then it would run beside the loaded model and the IR
+    graph, which refers to it); if the routines turn out not to be
+    observe-only, that optimisation was wasted."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
-    data, model, from_file = _model_bytes(source)
-    key = hashlib.sha256(data).hexdigest()
+    key, data, model, from_file = _model_key(source, stat)
+    file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) if from_file else None
+    given = _Given(data, model, file)
     cache = session.caches.setdefault("onnx", {})
     hit = cache.get(key) if controls.state.cache else None
     if hit is not None:
-        return hit
-    if model is None:
-        model = load_model(data)
-    else:   # read from a file: the bytes were only needed for the key
-        data = None
-    lowered, lowering = _instrument(model, session, callbacks=True)
+        return hit, given
+    del data, model
+    if ahead is not None and (given.file is not None or given.data is not None):
+        given.release()
+        try:
+            given.ahead = ahead(given.for_onnxruntime())
+        except Exception:   # reported as without it: by instrumenting, or by the session
+            given.ahead = None
+    lowered, lowering = _instrument(given.model(), session, callbacks=True)
     if lowered is None:
-        hit = _Instrumented(data if data is not None else model.SerializeToString())
+        # nothing recorded: sessions read the model from what the user gives
+        # them, which hashes to this key (no copy is kept)
+        hit = _Instrumented(None)
     elif lowering.side_only and lowering.uses_callbacks:
         # the optimised model with side branches is what runs (written per
         # optimisation level): no copy of the lowered model is kept
-        del lowered, data
-        hit = _Instrumented(None, True, lowering.inline, (lowering.top, model))
-        if stat is not None and from_file:
-            hit.file = os.fspath(source), stat.st_size, stat.st_mtime_ns
+        del lowered
+        hit = _Instrumented(None, True, lowering.inline, (lowering.top, given.model()))
     else:
-        del data
         hit = _Instrumented(lowered.SerializeToString(), lowering.uses_callbacks,
                             lowering.inline)
+    if not hit.sides:
+        # the IR graph's cycles refer to the user's model: free it now
+        del lowered, lowering, given._model
+        gc.collect()
     cache[key] = hit
-    return hit
+    return hit, given
 
 
 # Options are mutated for the span of a session's creation (the optimised
@@ -130,24 +225,79 @@ def _instrumented(session, source):
 _OPTIONS_LOCK = threading.Lock()
 
 
-def _optimised_by_onnxruntime(data, options, providers, provider_options, kwargs):
-    """The user's model (a path or bytes) as onnxruntime optimises it with
-    these options."""
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="amanda-onnx-") as folder:
-        path = os.path.join(folder, "optimised.onnx")
-        with _OPTIONS_LOCK:
-            saved = options.optimized_model_filepath, options.log_severity_level
-            options.optimized_model_filepath = path
-            # saving at level ALL warns that NCHWc layouts are machine-specific:
-            # the file never leaves this process
-            options.log_severity_level = 3
-            try:
-                _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
-                               options, providers, provider_options, **kwargs)
-            finally:
-                options.optimized_model_filepath, options.log_severity_level = saved
-        return onnx.load(path)
+def _fresh_options(level=None):
+    """New ``SessionOptions`` like amanda's default ones (the extensions' op
+    library registered), at ``level`` if given; for a session that must not
+    share options (and what is added to them) with any other."""
+    from onnxruntime_extensions import get_library_path
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    if level is not None:
+        options.graph_optimization_level = level
+    return options
+
+
+def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs):
+    """(temporary folder, ModelProto): the user's model (a path or bytes) as
+    onnxruntime optimises it with these options (``own``: amanda's, the user
+    gave none; the weights then stay in the folder as external data)."""
+    if own:
+        # this session only writes the optimised model: weights packed for
+        # its kernels would only raise the build's peak (packing follows the
+        # optimisation and does not change the graph). Not in the user's
+        # options: a config entry cannot be taken back out of them
+        options = _fresh_options(options.graph_optimization_level)
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
+    try:
+        path = _optimise_into(folder.name, data, options, own, providers, provider_options,
+                              kwargs)
+        return folder, onnx.load(path, load_external_data=False)
+    except BaseException:
+        folder.cleanup()
+        raise
+
+
+def _optimise_into(folder, data, options, own, providers, provider_options, kwargs):
+    """The path in ``folder`` of the model onnxruntime optimised. With
+    amanda's own options (``own``) its weights are external data in
+    `OPTIMISED_WEIGHTS` beside it, read a weight at a time by `write_model`
+    (loading them with the model would hold them twice for a while)."""
+    path = os.path.join(folder, "optimised.onnx")
+    if own:
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", OPTIMISED_WEIGHTS)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes",
+            str(SHARED_BYTES))
+    with _OPTIONS_LOCK:
+        saved = options.optimized_model_filepath, options.log_severity_level
+        options.optimized_model_filepath = path
+        # saving at level ALL warns that NCHWc layouts are machine-specific:
+        # the file never leaves this process
+        options.log_severity_level = 3
+        try:
+            _original_init(ort.InferenceSession.__new__(ort.InferenceSession), data,
+                           options, providers, provider_options, **kwargs)
+        finally:
+            options.optimized_model_filepath, options.log_severity_level = saved
+    return path
+
+
+#: the optimised model's weights file (amanda's own options), beside it
+OPTIMISED_WEIGHTS = "optimised.weights"
+
+
+def _ahead(providers, provider_options, kwargs):
+    """For a session without the user's options: a function optimising the
+    model (a path or bytes) before it is loaded for instrumentation (see
+    `_instrumented`), returning ``(level key, folder, ModelProto)``."""
+    def optimise(source):
+        options = session_options(None)
+        level = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
+        return (level,) + _optimised_by_onnxruntime(source, options, True, providers,
+                                                    provider_options, kwargs)
+    return optimise
 
 
 def _timed(graph):
@@ -159,32 +309,133 @@ def _timed(graph):
                for op in graph)
 
 
-def _side_branch_model(hit, options, providers, provider_options, kwargs):
-    """Bytes of the optimised model with the observe-only routines attached,
-    cached per optimisation level and providers; None if a routine reads a
-    tensor that cannot be recomputed (it then runs in the model's dataflow)."""
-    graph, model = hit.side
-    in_bodies = _bodies_host_routines(graph)
-    fetch = not in_bodies and not _timed(graph) and _fetches(graph)
+#: initializers at least this large are shared with onnxruntime (see `_shared`)
+SHARED_BYTES = 1 << 16
+
+
+def _side_branch_model(hit, given, session, options, own, providers, provider_options,
+                       kwargs):
+    """``(bytes, plan, eager, shared)`` of the optimised model with the
+    observe-only routines attached, cached per optimisation level and
+    providers; None for the bytes if a routine reads a tensor that cannot be
+    recomputed (it then runs in the model's dataflow). ``shared``: read-only
+    views of its large initializers over the bytes, which a session may use
+    instead of copies of its own (`_shared`)."""
+    in_bodies, timed, observed = hit.observed
+    budget = fetch_budget()
+    fetch = not in_bodies and not timed and budget is not None and observed <= budget
     key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
            fetch)
     found = hit.optimised.get(key)
     if found is None:
-        optimised = _optimised_by_onnxruntime(hit.user_model(), options, providers,
-                                              provider_options, kwargs)
+        graph, model = hit.side_graph(given, session)
+        if given.ahead is not None and given.ahead[0] == key[:3]:
+            folder, optimised = given.ahead[1:]
+        else:
+            folder, optimised = _optimised_by_onnxruntime(
+                given.for_onnxruntime(), options, own, providers, provider_options, kwargs)
+        given.ahead = None
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
                                      eager=not fetch and not in_bodies)
-            del optimised   # the branches own it now
+            del optimised, graph, model   # the branches own it now
             result = branches.model()
-            data = result.SerializeToString()
+            bound = branches.plan, branches.weights, branches._dropped
+            eager = branches.eager
+            # the user's model is no longer needed: free it (and the IR graph
+            # and the branches, whose cycles refer to it) before the model is
+            # serialized
+            del branches
+            hit.side = None
+            given.release()
+            gc.collect()
+            needed = set(bound[0].constants) if bound[0] is not None else set()
+            needed.update(n for _, slots in bound[1] for n in slots.values())
+            names = [i.name for i in result.graph.initializer]
+            # copies of the observed weights no view can be made of
+            fallback = onnx.GraphProto()
+            fallback.initializer.extend(
+                i for i in result.graph.initializer if i.name in needed
+                and not viewable(i, folder.name) and i.data_location != onnx.TensorProto.EXTERNAL)
+            large = {}
+            for initializer in result.graph.initializer:
+                if viewable(initializer, folder.name) and raw_size(initializer) >= SHARED_BYTES:
+                    large[initializer.name] = raw_size(initializer)
+            with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
+                # written a weight at a time (those onnxruntime left in the
+                # folder read from there) and read back once the model is
+                # freed: one serialized copy at a time, not three
+                write_model(result, file, folder.name)
+                folder.cleanup()
+                lean = _lean(result, large)
+                del result
+                file.seek(0)
+                data = file.read()
+            views = initializer_views(data, names)
+            if needed - set(views) - {i.name for i in fallback.initializer}:
+                # malformed, or external data of a type no view is made of: copy from it
+                fallback = onnx.ModelProto.FromString(data).graph
             # observed weights: views over the bytes kept here, not copies
-            branches.bind(data)
-            found = data, branches.plan, branches.eager
+            bind_weights(data, fallback, *bound)
+            shared = {n: views[n] for n in large if n in views}
+            if len(shared) != len(large):
+                lean = None   # (malformed) every weight left out must be shared
+            found = data, bound[0], eager, shared, lean
+            del views, bound, fallback
         except _NotSide:
-            found = b"", None, False
+            found = b"", None, False, {}, None
         hit.optimised[key] = found
-    return found if found[0] else (None, None, False)
+    return found if found[0] else (None, None, False, {}, None)
+
+
+#: the file a lean model's shared initializers name (see `_lean`)
+SHARED_FILE = "amanda-shared.bin"
+_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def _lean(model, large):
+    """``(bytes, extent)``: ``model`` (changed in place) with the ``large``
+    initializers (name -> bytes) as external data in `SHARED_FILE`, at
+    offsets below ``extent``. A session given the shared arrays for them
+    never reads that file (an empty sparse file of ``extent`` bytes, made per
+    session): onnxruntime then parses no weight beside the kept ones."""
+    offset = 0
+    for tensor in model.graph.initializer:
+        size = large.get(tensor.name)
+        if size is None:
+            continue
+        tensor.ClearField("raw_data")
+        tensor.ClearField("external_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", SHARED_FILE), ("offset", str(offset)),
+                           ("length", str(size))):
+            tensor.external_data.add(key=key, value=value)
+        offset += -(-size // 4096) * 4096
+    return model.SerializeToString(), offset
+
+
+def _on_cpu(providers):
+    """Whether a session with these providers runs on onnxruntime's CPU
+    provider alone."""
+    names = ort.get_available_providers() if not providers else \
+        [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
+    return all(n == "CPUExecutionProvider" for n in names)
+
+
+def _shared(sess_options, providers, shared):
+    """Fresh options (amanda's own: the user gave none) that make onnxruntime
+    use ``shared`` (name -> read-only array over the cached bytes) as those
+    initializers instead of copies (``SessionOptions.add_initializer``; the
+    arrays must outlive the session, which keeps them), or None where the
+    user's options are used (they cannot be copied, and an initializer added
+    to them would stay there) or a provider other than the CPU's runs."""
+    if sess_options is not None or not shared or not _on_cpu(providers):
+        return None, ()
+    options = _fresh_options()
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in shared.values()]
+    for name, value in zip(shared, values):
+        options.add_initializer(name, value)
+    return options, values
 
 
 def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
@@ -195,17 +446,42 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
     self._amanda_made = True
-    hit = _instrumented(sessions[-1], path_or_bytes)
+    hit, given = _instrumented(sessions[-1], path_or_bytes, None if sess_options is not None
+                               else _ahead(providers, provider_options, kwargs))
     if not hit.callbacks:
-        return _original_init(self, hit.data, sess_options, providers, provider_options,
-                              **kwargs)
+        del given
+        return _original_init(self, path_or_bytes if hit.data is None else hit.data,
+                              sess_options, providers, provider_options, **kwargs)
     options = session_options(sess_options)
     data = plan = None
     eager = False
-    if hit.side is not None:
-        data, plan, eager = _side_branch_model(hit, options, providers, provider_options,
-                                               kwargs)
+    shared = {}
+    lowered = hit.data
+    lean = None
+    if hit.sides:
+        try:
+            data, plan, eager, shared, lean = _side_branch_model(
+                hit, given, sessions[-1], options, sess_options is None, providers,
+                provider_options, kwargs)
+            if data is None:
+                lowered = hit.lowered_data(given, sessions[-1])
+        finally:
+            # neither the user's model nor the IR graph (which refers to it) is kept
+            hit.side = None
+            del given
+    else:
+        del given
     if data is not None:
+        fresh, values = _shared(sess_options, providers, shared)
+        folder = None
+        if fresh is not None:
+            options = fresh
+            self._amanda_shared = values   # onnxruntime reads the arrays: keep them
+            if lean is not None:
+                folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
+                with open(os.path.join(folder.name, SHARED_FILE), "wb") as stub:
+                    stub.truncate(lean[1])
+                options.add_session_config_entry(_EXTERNAL_FOLDER, folder.name)
         # the model is optimised already: optimising again could fuse the
         # side branches into it
         with _OPTIONS_LOCK:
@@ -216,9 +492,19 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 # producers: run nodes in that order (see _sort_nodes_eagerly)
                 options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
             try:
-                _original_init(self, data, options, providers, provider_options, **kwargs)
+                if folder is not None:
+                    try:
+                        _original_init(self, lean[0], options, providers, provider_options,
+                                       **kwargs)
+                    except Exception:   # an onnxruntime without that option: all weights
+                        _original_init(self, data, options, providers, provider_options,
+                                       **kwargs)
+                else:
+                    _original_init(self, data, options, providers, provider_options, **kwargs)
             finally:
                 options.graph_optimization_level, options.execution_order = level, order
+                if folder is not None:
+                    folder.cleanup()
     else:
         if hit.inline and options.graph_optimization_level != \
                 ort.GraphOptimizationLevel.ORT_DISABLE_ALL:
@@ -228,7 +514,7 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                 f"plain model's in the last bits at {options.graph_optimization_level.name} "
                 "(they are bit-identical at ORT_DISABLE_ALL; routines that only return None "
                 "never change outputs). See docs/onnx.md.", stacklevel=2)
-        _original_init(self, hit.data, options, providers, provider_options, **kwargs)
+        _original_init(self, lowered, options, providers, provider_options, **kwargs)
     checked_session(self)
     if plan is not None:
         _fetch_for(self, plan)

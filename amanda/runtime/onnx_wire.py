@@ -12,6 +12,8 @@ and returns ``np.frombuffer`` views of it. Initializers stored otherwise
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 # ModelProto.graph, GraphProto.initializer, and the TensorProto fields read
@@ -130,3 +132,119 @@ def initializer_views(data, names):
     for array in found.values():
         array.flags.writeable = False
     return found
+
+
+def viewable(tensor, folder=None):
+    """Whether `initializer_views` can view the ``TensorProto`` (well-formed)
+    once serialized (by `write_model` with this ``folder``): plain raw data,
+    or external data in ``folder``, of a plain element type."""
+    if tensor.data_type not in _PLAIN:
+        return False
+    if tensor.data_location == 1:   # EXTERNAL
+        return _external(tensor, folder) is not None
+    return tensor.HasField("raw_data")
+
+
+def _external(tensor, folder):
+    """(path, offset, length) of an external tensor's data in ``folder`` (a
+    file directly in it), else None."""
+    if folder is None:
+        return None
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    location = entries.get("location", "")
+    if not location or os.path.basename(location) != location or location in (".", ".."):
+        return None
+    try:
+        offset, length = int(entries.get("offset", 0)), int(entries["length"])
+    except (KeyError, ValueError):
+        return None
+    return os.path.join(folder, location), offset, length
+
+
+def raw_size(tensor):
+    """Bytes of a `viewable` ``TensorProto``'s raw data, from its shape."""
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    return count * np.dtype(_PLAIN[tensor.data_type]).itemsize
+
+
+def _varint_bytes(value):
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _repeated(field):
+    flag = getattr(field, "is_repeated", None)
+    return flag if flag is not None else field.label == 3   # LABEL_REPEATED
+
+
+def _copy_fields(source, target, skip):
+    """Copy the set fields of ``source`` but ``skip`` into ``target``."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if _repeated(field):
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+def write_model(model, file, folder=None):
+    """Write a ``ModelProto`` to the binary ``file`` as ``SerializeToString``
+    would (fields in another order, which parses to an equal message), one
+    top-level initializer at a time: no serialized copy of the whole model
+    is made beside it (``SerializeToString`` makes two, protobuf's buffer and
+    the ``bytes``). `initializer_views` walks the result. Top-level
+    initializers whose data is external in a file directly in ``folder`` are
+    written with their data as raw data (read a piece at a time)."""
+    from onnx import GraphProto
+    head = type(model)()
+    _copy_fields(model, head, "graph")
+    file.write(head.SerializeToString())
+    if not model.HasField("graph"):
+        return
+    graph = model.graph
+    rest = GraphProto()
+    _copy_fields(graph, rest, "initializer")
+    rest = rest.SerializeToString()
+    pieces = []   # (size, bytes to write, external data to append or None)
+    for tensor in graph.initializer:
+        where = _external(tensor, folder) if tensor.data_location == 1 else None
+        if where is None:
+            pieces.append((tensor.ByteSize(), tensor, None))
+            continue
+        stub = type(tensor)()
+        stub.CopyFrom(tensor)
+        stub.ClearField("external_data")
+        stub.ClearField("data_location")
+        head = stub.SerializeToString() + bytes([_TENSOR_RAW << 3 | 2]) + _varint_bytes(where[2])
+        pieces.append((len(head) + where[2], head, where))
+    tag = bytes([_GRAPH_INITIALIZER << 3 | 2])
+    length = len(rest) + sum(len(tag) + len(_varint_bytes(size)) + size for size, _, _ in pieces)
+    file.write(bytes([_MODEL_GRAPH << 3 | 2]) + _varint_bytes(length))
+    file.write(rest)
+    for size, piece, where in pieces:
+        file.write(tag + _varint_bytes(size))
+        if where is None:
+            file.write(piece.SerializeToString())
+            continue
+        file.write(piece)
+        path, offset, left = where
+        with open(path, "rb") as source:
+            source.seek(offset)
+            while left:
+                chunk = source.read(min(left, 1 << 20))
+                if not chunk:
+                    raise ValueError(f"{path}: external data ends early")
+                file.write(chunk)
+                left -= len(chunk)
