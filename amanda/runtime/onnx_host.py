@@ -15,8 +15,10 @@ routines (`session_options`, `inference_session`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import weakref
 
 import numpy as np
 import onnxruntime as ort
@@ -59,7 +61,14 @@ def _hosted_dtypes():
 
 _HOSTED_DTYPES = _hosted_dtypes()
 _CATALOG = {}          # op id (of the extensions) -> (op definition, dtype of its output)
-_CALLBACKS = {}        # key attribute -> _Callback
+# key attribute -> _Callback. Weak: a callback lives as long as its owner,
+# the amanda session whose tools it calls (`owned_by`; the session's cache
+# "onnx.callbacks" holds it, and every InferenceSession amanda made keeps
+# its amanda session), so a tool nobody holds any more is not kept by
+# amanda for the life of the process.
+_CALLBACKS = weakref.WeakValueDictionary()
+_UNOWNED = []          # callbacks registered outside `owned_by`: kept, as before
+_OWNER = threading.local()
 _KEYS = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -190,9 +199,23 @@ def _install_hook():
     PyCustomOpDef.install_hooker(invoke)
 
 
+@contextlib.contextmanager
+def owned_by(session):
+    """Callbacks registered inside (on this thread) are kept alive by the
+    amanda ``session`` (in ``session.caches["onnx.callbacks"]``)."""
+    previous = getattr(_OWNER, "kept", None)
+    _OWNER.kept = session.caches.setdefault("onnx.callbacks", [])
+    try:
+        yield
+    finally:
+        _OWNER.kept = previous
+
+
 def _register_callback(callback):
     key = f"amanda.{next(_KEYS)}"
     _CALLBACKS[key] = callback
+    kept = getattr(_OWNER, "kept", None)
+    (kept if kept is not None else _UNOWNED).append(callback)
     return key
 
 

@@ -28,7 +28,8 @@ from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx_bodies import _bodies_host_routines
-from amanda.runtime.onnx_host import _original_init, checked_session, run_methods, session_options
+from amanda.runtime.onnx_host import (_original_init, checked_session, owned_by, run_methods,
+                                      session_options)
 from amanda.runtime.onnx_instrument import _instrument
 from amanda.runtime.onnx_lowering import lower
 from amanda.runtime.observation import fetch_budget
@@ -446,6 +447,16 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
         return _original_init(self, path_or_bytes, sess_options, providers, provider_options,
                               **kwargs)
     self._amanda_made = True
+    # the routines' callbacks live as long as the amanda session, which this
+    # InferenceSession keeps (onnx_host.owned_by)
+    self._amanda_owner = sessions[-1]
+    with owned_by(sessions[-1]):
+        _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
+                            provider_options, **kwargs)
+
+
+def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
+                        provider_options, **kwargs):
     hit, given = _instrumented(sessions[-1], path_or_bytes, None if sess_options is not None
                                else _ahead(providers, provider_options, kwargs))
     if not hit.callbacks:
