@@ -120,3 +120,13 @@ def test_tf_backward_context_without_forward_op_uses_the_gradient_op_scope():
     context = amanda.OpContext("tensorflow/2.0/graph", None, None, None, backward_op=grad,
                                backward_op_id=7)
     assert context.get_module_path() == "gradients/dense/MatMul_grad"
+
+
+#: The longest a module may be (issue 15: split files along their seams).
+MAX_LINES = 600
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {name: n for name, path in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from amanda.runtime.tensorflow_bodies import _origin
+
 _LOOP_BACK = frozenset({"NextIteration", "RefNextIteration"})
 
 
@@ -164,3 +166,41 @@ class Emitter:
         for name in list(self.pending):
             self.create(name)
 
+
+def _depends_on(routine, user_op, pending, limit=10000):
+    """Whether the IR ``routine`` reads a tensor computed after ``user_op``
+    (then ``user_op`` cannot wait on it); also True past ``limit`` ops. Ops
+    no longer ``pending`` (created in the copy) are not searched: they
+    cannot depend on ``user_op``, which is being created."""
+    graph = user_op.graph
+    stack = [graph.get_operation_by_name(_origin(t).split(":")[0]) for t in routine.inputs]
+    stack = [op for op in stack if op.name in pending]
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op is user_op or len(seen) > limit:
+            return True
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(t.op for t in op.inputs if t.op.name in pending)
+        stack.extend(c for c in op.control_inputs if c.name in pending)
+    return False
+
+
+def _reads_variable(op):
+    return any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.inputs)
+
+
+class _Standing:
+    """What `bare_trigger` reads of an op not created yet: its type, and its
+    inputs and control inputs in the copy (created first)."""
+
+    def __init__(self, rewrite, user_op):
+        resolve = (rewrite.emitter.forward if user_op.type in ("Merge", "RefMerge")
+                   else rewrite.emitter.element)
+        self.type = user_op.type
+        self.name = user_op.name
+        self.inputs = [resolve(t.name) for t in user_op.inputs]
+        self.control_inputs = [rewrite.emitter.element("^" + c.name)
+                               for c in user_op.control_inputs]

@@ -246,6 +246,30 @@ def _replacer(action, where, shapes, dtypes):
     return _hosting(action, where, run)
 
 
+def _numpy_function(graph, func, *args, **kwargs):
+    """``tf.numpy_function`` in ``graph`` (the copy being built), with
+    ``func`` kept alive by ``graph``. TensorFlow keeps a hosted function alive
+    as long as the outermost graph around the one it is created in: for the
+    copy of a ``tf.function`` that is the process's global eager graph, which
+    never dies, so every routine (and through it its tool, the tool's
+    sessions and their graphs) would be kept for the life of the process.
+    The function is handed to the copy instead, which lives as long as amanda's
+    cache entry for the user's function."""
+    root = tf.compat.v1.get_default_graph()      # where TensorFlow starts its walk
+    while getattr(root, "outer_graph", None) is not None and root.outer_graph is not root:
+        root = root.outer_graph
+    before = len(getattr(root, "_py_funcs_used_in_graph", ()))
+    result = tf.numpy_function(func, *args, **kwargs)
+    if root is not graph:
+        kept = root._py_funcs_used_in_graph
+        moved = kept[before:]
+        del kept[before:]
+        if not hasattr(graph, "_py_funcs_used_in_graph"):
+            graph._py_funcs_used_in_graph = []
+        graph._py_funcs_used_in_graph.extend(moved)
+    return result
+
+
 def _user_stacklevel():
     """The ``stacklevel`` that makes a warning name the user's line (the
     first caller outside amanda and TensorFlow)."""

@@ -19,9 +19,9 @@ from amanda.runtime.tensorflow_bodies import (_Library, _STATEFUL_TWIN,
                                               _origin, _warn_xla_compiled,
                                               _xla_compiled)
 from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
-                                               _observer, _replacer, _shaped, _tool_error,
-                                               _user_stacklevel)
-from amanda.runtime.tensorflow_emit import Emitter
+                                               _numpy_function, _observer, _replacer, _shaped,
+                                               _tool_error, _user_stacklevel)
+from amanda.runtime.tensorflow_emit import Emitter, _depends_on, _reads_variable, _Standing
 from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flow, live_feed,
                                                 refuse_replacing)
 from amanda.runtime.tensorflow_observe import _Observers
@@ -33,30 +33,6 @@ def _structural_constant(tensor):
     """Whether ``tensor`` is an integer constant of the graph (shapes, axes,
     sizes): its value is part of the graph's structure."""
     return tensor.op.type == "Const" and tensor.dtype.is_integer
-
-
-def _numpy_function(graph, func, *args, **kwargs):
-    """``tf.numpy_function`` in ``graph`` (the copy being built), with
-    ``func`` kept alive by ``graph``. TensorFlow keeps a hosted function alive
-    as long as the outermost graph around the one it is created in: for the
-    copy of a ``tf.function`` that is the process's global eager graph, which
-    never dies, so every routine (and through it its tool, the tool's
-    sessions and their graphs) would be kept for the life of the process.
-    The function is handed to the copy instead, which lives as long as amanda's
-    cache entry for the user's function."""
-    root = tf.compat.v1.get_default_graph()      # where TensorFlow starts its walk
-    while getattr(root, "outer_graph", None) is not None and root.outer_graph is not root:
-        root = root.outer_graph
-    before = len(getattr(root, "_py_funcs_used_in_graph", ()))
-    result = tf.numpy_function(func, *args, **kwargs)
-    if root is not graph:
-        kept = root._py_funcs_used_in_graph
-        moved = kept[before:]
-        del kept[before:]
-        if not hasattr(graph, "_py_funcs_used_in_graph"):
-            graph._py_funcs_used_in_graph = []
-        graph._py_funcs_used_in_graph.extend(moved)
-    return result
 
 
 class _GraphRewrite:
@@ -573,42 +549,3 @@ class _GraphRewrite:
         # never used" into the user's stderr when the copy is collected
         getattr(check, "mark_used", lambda: None)()
         return check
-
-
-def _depends_on(routine, user_op, pending, limit=10000):
-    """Whether the IR ``routine`` reads a tensor computed after ``user_op``
-    (then ``user_op`` cannot wait on it); also True past ``limit`` ops. Ops
-    no longer ``pending`` (created in the copy) are not searched: they
-    cannot depend on ``user_op``, which is being created."""
-    graph = user_op.graph
-    stack = [graph.get_operation_by_name(_origin(t).split(":")[0]) for t in routine.inputs]
-    stack = [op for op in stack if op.name in pending]
-    seen = set()
-    while stack:
-        op = stack.pop()
-        if op is user_op or len(seen) > limit:
-            return True
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        stack.extend(t.op for t in op.inputs if t.op.name in pending)
-        stack.extend(c for c in op.control_inputs if c.name in pending)
-    return False
-
-
-def _reads_variable(op):
-    return any(t.dtype == tf.resource or t.dtype._is_ref_dtype for t in op.inputs)
-
-
-class _Standing:
-    """What `bare_trigger` reads of an op not created yet: its type, and its
-    inputs and control inputs in the copy (created first)."""
-
-    def __init__(self, rewrite, user_op):
-        resolve = (rewrite.emitter.forward if user_op.type in ("Merge", "RefMerge")
-                   else rewrite.emitter.element)
-        self.type = user_op.type
-        self.name = user_op.name
-        self.inputs = [resolve(t.name) for t in user_op.inputs]
-        self.control_inputs = [rewrite.emitter.element("^" + c.name)
-                               for c in user_op.control_inputs]
