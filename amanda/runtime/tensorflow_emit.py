@@ -55,14 +55,12 @@ class Emitter:
         self.rewrite = rewrite
         self.copy = rewrite.copy
         self.pending = {}     # name -> NodeDef, as in the user's graph (calls redirected)
-        self.versions = None
         self._creating = set()
         self._stand_ins = {}  # user tensor name -> placeholder standing in for it
 
     def add(self, nodes, versions, library):
         """Queue ``nodes`` (new ops of the user's graph) and bring the
         functions they call into the copy."""
-        self.versions = versions
         if library.function or library.gradient:
             part = tf.compat.v1.GraphDef()
             part.versions.CopyFrom(versions)

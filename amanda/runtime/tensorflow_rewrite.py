@@ -59,7 +59,7 @@ class _GraphRewrite:
         self.last_after = {}        # op name -> its last after-routine that passes no tensor
         self._bare_after = set()    # names of those routines
         self._bare_before = {}      # op name -> its before-routines that pass no tensor
-        self._control_users = None  # op name -> copy ops having it as control input
+        self._control_users = None  # (graph version, op name -> user ops waiting on it)
         self.warned_bodies = set()  # call ops whose bodies' ops were said to be no points
         self.bodies = []            # _BodyRewrite per instrumented function body
         self._probe = None
