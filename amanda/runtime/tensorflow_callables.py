@@ -15,8 +15,10 @@ exactly as ``Session.run`` would:
   graph rewrite (Grappler) can make any tensor a constant's or a
   variable's, so every array result is copied (NumPy scalars and bytes are
   immutable and kept). The copy is cheap for small tensors; a step whose
-  results average more than `COPY_LIMIT` bytes goes back to ``Session.run``
-  (which moves unshared buffers for free) from its next run on.
+  results average more than `COPY_LIMIT` bytes, or total more than
+  `COPY_TOTAL_LIMIT`, runs through ``Session.run`` (which moves unshared
+  buffers for free): from the start where their static shapes say so,
+  else from its next run on.
 * **Feeds are not checked or converted.** A feed value is converted as
   ``Session.run`` converts it (``np_asarray`` to the tensor's dtype) and its
   shape checked against the tensor's static shape; anything else unusual
@@ -35,6 +37,11 @@ from tensorflow.python.util import numpy_compat
 
 #: Mean bytes per array result above which a step goes back to ``Session.run``.
 COPY_LIMIT = 64 * 1024
+#: Total bytes of array results above which a step goes back to ``Session.run``:
+#: copies are held beside the results, so this bounds what they add to a run's
+#: peak memory (a few small observed tensors fetched with a model's gradients
+#: kept the mean low while the copies added 240 MiB)
+COPY_TOTAL_LIMIT = 16 * 1024 * 1024
 
 _UNUSUAL = frozenset({tf.string, tf.resource, tf.variant})
 
@@ -103,7 +110,7 @@ class _Callables:
                 size += value.nbytes
                 arrays += 1
             values.append(value)
-        if arrays and size > COPY_LIMIT * arrays:
+        if arrays and (size > COPY_LIMIT * arrays or size > COPY_TOTAL_LIMIT):
             step.slow = True
         return values
 
@@ -115,7 +122,22 @@ class _Callables:
                 or not all(isinstance(op, tf.Operation) for op in ops)
                 or not all(_plain(t) for t in tensors) or not all(_plain(t) for t in fed)):
             return False
+        # known large before the first run: copying its results even once
+        # would hold them twice (a BERT-sized step's gradients: 250 MiB)
+        sizes = [_static_bytes(t) for t in tensors]
+        known = [size for size in sizes if size is not None]
+        if sum(known) > COPY_TOTAL_LIMIT or (
+                sizes and len(known) == len(sizes) and sum(sizes) > COPY_LIMIT * len(sizes)):
+            return False
         return _Step(session, tensors, fed, ops)
+
+
+def _static_bytes(tensor):
+    """The bytes of ``tensor`` by its static shape, or None if not known."""
+    shape = tensor.shape
+    if not shape.is_fully_defined():
+        return None
+    return shape.num_elements() * tensor.dtype.size
 
 
 def _convert(value, dtype, shape, feedable):

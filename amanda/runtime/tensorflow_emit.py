@@ -35,6 +35,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from amanda.runtime.tensorflow_bodies import _origin
+from amanda.runtime.tensorflow_hosting import _kept_constant
+from amanda.runtime.tensorflow_probes import NAMESPACE
 
 _LOOP_BACK = frozenset({"NextIteration", "RefNextIteration"})
 
@@ -57,6 +59,8 @@ class Emitter:
         self.pending = {}     # name -> NodeDef, as in the user's graph (calls redirected)
         self._creating = set()
         self._stand_ins = {}  # user tensor name -> placeholder standing in for it
+        # routine callbacks made since the copy last grew: no session has run them
+        self.fresh = set()
 
     def add(self, nodes, versions, library):
         """Queue ``nodes`` (new ops of the user's graph) and bring the
@@ -105,12 +109,15 @@ class Emitter:
 
     def gate(self, ops):
         """``ops`` as control inputs for ``tf.control_dependencies``: a new
-        ``NoOp`` waiting on them (``[]`` for none). TensorFlow marks every op
-        handed to ``tf.control_dependencies`` with an attribute; the user's
-        ops in the copy, and ops a session has run, must not change."""
+        ``NoOp`` waiting on them (``[]`` for none; ``ops`` themselves if
+        they are all in `fresh`). TensorFlow marks every op handed to
+        ``tf.control_dependencies`` with an attribute; the user's ops in the
+        copy, and ops a session has run, must not change."""
         ops = list(dict.fromkeys(ops))
-        if not ops:
-            return []
+        if all(op in self.fresh for op in ops):
+            # amanda's own callbacks, made in this rewrite: marking them
+            # changes nothing anyone ran or reads (a NoOp per routine saved)
+            return ops
         with self.copy.name_scope(None):   # (the root scope: called inside "amanda/" too)
             name = self.copy.unique_name("amanda/gate")
         node = tf.compat.v1.NodeDef(name=name, op="NoOp")
@@ -202,3 +209,27 @@ class _Standing:
         self.inputs = [resolve(t.name) for t in user_op.inputs]
         self.control_inputs = [rewrite.emitter.element("^" + c.name)
                                for c in user_op.control_inputs]
+
+
+def keep_constant(rewrite, name, position, old, new, routine):
+    """An integer constant input (a shape, an axis, a TensorList's
+    element shape) that a Python routine sees stays the op's input: TensorFlow reads its value when
+    it builds and shape-checks the graph (a `TensorListReserve` fails on
+    an element shape it cannot see), which a routine's result would hide.
+    The routine still runs before the op (a control input, returned
+    here) and sees the value; returning another value is refused when
+    the op runs."""
+    action = routine.attrs["action"]
+    target = rewrite.user_graph.get_operation_by_name(routine.attrs["target"])
+    user_op = rewrite.user_graph.get_operation_by_name(name)
+    text = _kept_constant(action, (target.type, target.name, NAMESPACE),
+                          f"replaced input {position} of {user_op.type} {name!r}, an "
+                          "integer constant TensorFlow needs when it builds the graph; "
+                          "routines may read such constants but not replace them "
+                          "(docs/tensorflow.md)")
+    with tf.control_dependencies(rewrite.emitter.gate([old.op])):   # in the op's loop frame
+        check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
+    # used as a control input: without this TensorFlow logs "Object was
+    # never used" into the user's stderr when the copy is collected
+    getattr(check, "mark_used", lambda: None)()
+    return check

@@ -199,13 +199,18 @@ def _observer(action, where, count, hosted, dtypes, spread=None, fixed=()):
     observing routine feeds nothing of its own into the graph.
 
     Args:
+        dtypes: those of the hosted tensors; None for a routine that can
+            only return None (`amanda.runtime.routines.returns_only_none`):
+            its callback returns one int32 token, and the graph orders it
+            by control edges (`tensorflow_rewrite._GraphRewrite._observing`).
         spread: ``arrays -> the routine's selection``, where the callback
             receives something else than the hosted tensors (a view of a
             point with dead tensors, `tensorflow_liveness.spread_live`).
         fixed: selected positions the routine may not replace (a loop's
             back edge); handing back the array it received keeps them.
     """
-    kept = [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
+    token = dtypes is None or not hosted
+    kept = [] if token else [np.False_] * len(hosted) + [np.zeros((), d) for d in dtypes]
     unhosted = _UNHOSTED if spread is None else _UNHOSTED + " or is dead in this run"
     if spread is None:
         spread = lambda arrays: host.spread(count, hosted, arrays)  # noqa: E731
@@ -213,7 +218,7 @@ def _observer(action, where, count, hosted, dtypes, spread=None, fixed=()):
     def run(arrays):
         values = spread([_read_only(a) for a in arrays])
         new = host.observe(action, where, values, hosted, unhosted)
-        if not hosted:
+        if token:
             return [np.int32(0)]
         if new is None:
             return kept

@@ -137,7 +137,7 @@ class _Observers:
             action, where, [self._read(rewrite.copy, t) if _crosses_to_python(t.dtype) else None
                             for t in inputs], after,
             [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run],
-            _bare_after_waits(rewrite, target) if after and not inputs else None)
+            _bare_after_waits(rewrite, target) if after else None)
         tensors = rewrite.realised[action] = list(inputs)
         rewrite._record_final(op, tensors)
         return True
@@ -294,10 +294,10 @@ def _call_step(record, slots):
 
 def _bare_after_waits(rewrite, target):
     """``(copy ops, user tensor names)`` whose execution or fetch runs an
-    after-routine of ``target`` that passes no tensor (``outputs=[]``, or an
-    op without outputs). Hosted, such a routine waits on the op, every
-    reader of the op's outputs or of the op itself waits on it, and a fetch
-    of the op or of its tensors runs it (`_GraphRewrite._order`, ``tensor``,
+    after-routine of ``target``. Hosted, an after-routine runs after the
+    op (reading its results, or waiting on it where it passes no tensor),
+    every reader of the op's outputs or of the op itself waits on it, and a
+    fetch of the op or of its tensors runs it (`_GraphRewrite._order`, ``tensor``,
     ``operation``): it runs when the op runs, or when a reader reads, or the
     caller fetches, a fed output of the op."""
     readers = {target.name}

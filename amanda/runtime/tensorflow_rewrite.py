@@ -13,15 +13,16 @@ from amanda import portable
 from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning
 from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE
-from amanda.runtime.routines import call_routine
+from amanda.runtime.routines import call_routine, returns_only_none
 from amanda.runtime.tensorflow_bodies import (_Library, _STATEFUL_TWIN,
                                               _called_functions, _gradient_body,
                                               _origin, _warn_xla_compiled,
                                               _xla_compiled)
-from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python, _kept_constant,
+from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python,
                                                _numpy_function, _observer, _replacer, _shaped,
                                                _tool_error, _user_stacklevel)
-from amanda.runtime.tensorflow_emit import Emitter, _depends_on, _reads_variable, _Standing
+from amanda.runtime.tensorflow_emit import (Emitter, _depends_on, _reads_variable, _Standing,
+                                            keep_constant)
 from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flow, live_feed,
                                                 refuse_replacing)
 from amanda.runtime.tensorflow_observe import _Observers
@@ -56,7 +57,7 @@ class _GraphRewrite:
         self.plan = None
         self.realised = {}          # Action -> its tensors in the copy
         self.final = {}             # user tensor name -> what consumers read in the copy
-        self.last_after = {}        # op name -> its last after-routine that passes no tensor
+        self.last_after = {}        # op name -> its last hosted after-routine
         self._bare_after = set()    # names of those routines
         self._bare_before = {}      # op name -> its before-routines that pass no tensor
         self._control_users = None  # (graph version, op name -> user ops waiting on it)
@@ -72,7 +73,10 @@ class _GraphRewrite:
         self.emitter = Emitter(self)    # the user's ops not yet in the copy
         self._reads = {}            # variable-read op name -> hosted routines reading its value
         self._after_ops = {}        # op name -> ops of its after-routines that pass tensors
-        self._checks = {}           # op name -> kept-constant checks it waits on
+        # op name -> what it waits on besides its own edges: kept-constant
+        # checks, observing routines whose results it reads (`_observing`)
+        self._also_waits = {}
+        self._observing_ops = {}    # Action -> the callback op of an `_observing` routine
         self._ir_ops = {}           # op name -> its IR op (while realising)
         self._made = None
         self._fetches = {}          # user tensor name -> what a fetch of it reads
@@ -242,6 +246,7 @@ class _GraphRewrite:
                     if _reads_variable(self.user_graph.get_operation_by_name(origin)):
                         self._read_by.setdefault(origin, []).append(op)
         emitter = self.emitter
+        emitter.fresh = set()
         try:
             with self.copy.as_default():
                 for op in lowered.ops:
@@ -335,25 +340,36 @@ class _GraphRewrite:
             routine = self._bare(action, where, kind, user_target, len(inputs))
             tensors = list(like)
         else:
-            dtypes = [like[i].dtype for i in hosted]
             # before a Merge and after a Switch, a view live when the op runs
             feed, spread, looped = live_feed(
                 self.emitter.forward, user_target, kind, [_origin(t) for t in op.inputs],
                 inputs, hosted, self.emitter.is_back_edge)
-            func = _observer(action, where, len(inputs), hosted,
-                             [d.as_numpy_dtype for d in dtypes], spread, looped)
-            with tf.control_dependencies(self.emitter.gate(waits)):
-                results = _numpy_function(self.copy, func, feed,
-                                          [tf.bool] * len(hosted) + dtypes, stateful=True,
-                                          name=label)
-            routine = results[0].op
-            if kind.startswith("after"):
-                self._after_ops.setdefault(name, []).append(routine)
             tensors = list(like)
-            for i, flag, new in zip(hosted, results, results[len(hosted):]):
-                if i not in looped:
-                    tensors[i] = _chosen(like[i], new, flag)
+            if returns_only_none(action.func) and not self._has_v1_flow():
+                routine = self._observing(action, where, kind, user_target, feed,
+                                          lambda: _observer(action, where, len(inputs), hosted,
+                                                            None, spread), waits)
+            else:
+                dtypes = [like[i].dtype for i in hosted]
+                func = _observer(action, where, len(inputs), hosted,
+                                 [d.as_numpy_dtype for d in dtypes], spread, looped)
+                with tf.control_dependencies(self.emitter.gate(waits)):
+                    results = _numpy_function(self.copy, func, feed,
+                                              [tf.bool] * len(hosted) + dtypes, stateful=True,
+                                              name=label)
+                routine = results[0].op
+                if kind.startswith("after"):
+                    self._after_ops.setdefault(name, []).append(routine)
+                    if not self._has_v1_flow():
+                        # whatever waits on the op waits on it too: it runs
+                        # whenever its op does, as `_observing` ones do (a
+                        # control edge may not cross a v1 loop's frame)
+                        self.last_after[name] = routine
+                for i, flag, new in zip(hosted, results, results[len(hosted):]):
+                    if i not in looped:
+                        tensors[i] = _chosen(like[i], new, flag)
         if routine is not None:
+            self.emitter.fresh.add(routine)
             self.observers.ran_by[action] = [routine.name]
             self._note_reads(routine, [_origin(t) for t in op.inputs])
         self.realised[action] = tensors
@@ -371,8 +387,7 @@ class _GraphRewrite:
         """
         name = user_target.name
         func = _observer(action, where, count, [], [])
-        if self._v1_flow is None:
-            self._v1_flow = has_v1_control_flow(self.user_graph)
+        self._has_v1_flow()
         label = action.kind
         if kind.startswith("before"):
             target = _Standing(self, user_target) if self._v1_flow else None
@@ -400,6 +415,53 @@ class _GraphRewrite:
         return routine
 
 
+    def _has_v1_flow(self):
+        if self._v1_flow is None:
+            self._v1_flow = has_v1_control_flow(self.user_graph)
+        return self._v1_flow
+
+    def _observing(self, action, where, kind, user_target, feed, make_callback, waits):
+        """A routine that can only return None (`returns_only_none`), passing
+        tensors: its callback reads ``feed`` and hands back one token, and it
+        is ordered by control edges as `_bare` routines are, so the op's
+        tensors flow on untouched. A routine that might return tensors
+        needs a ``Switch``/``Merge`` pair, an ``EnsureShape`` and a
+        placeholder per tensor to choose between its result and the
+        original (`tensorflow_hosting._chosen`): five ops per tensor,
+        whose memory and executor cost an observe-everything tool paid on
+        every op.
+
+        Not in graphs with v1 control flow: a control edge may not cross
+        a loop's frame, and a tensor behind a ``Switch`` may be dead (the
+        routine's op would be dead with it); there the routine passes its
+        tensors on through ``_chosen``.
+
+        Rule: whatever the IR has reading the routine's results (its op,
+        a backward op reading a forward input through a before-routine,
+        a later routine) waits on it by a control edge (`_inputs_of`,
+        `_routine_waits`), so it runs in every run in which they run, before
+        them, as when they read its results. A before-routine is also a
+        control input of its op (`_waits`). An after-routine reads the op's
+        results, so it runs after the op; it also waits on the op's
+        before-routines and earlier after-routines (``waits``,
+        `_after_ops`), and everything that reads the op's outputs, waits on
+        the op or fetches them waits on it (`last_after`, as for `_bare`).
+        """
+        name = user_target.name
+        after = not kind.startswith("before")
+        if after:
+            waits = [*waits, *self._after_ops.get(name, ())]
+        with tf.control_dependencies(self.emitter.gate(waits)):
+            routine = _numpy_function(self.copy, make_callback(), feed, [tf.int32],
+                                      stateful=True, name=action.kind)[0].op
+        self._observing_ops[action] = routine
+        if after:
+            self._bare_after.add(routine.name)
+            self.last_after[name] = routine
+        else:
+            self._bare_before.setdefault(name, []).append(routine)
+        return routine
+
     def _native(self, action, where, inputs, like, replacing, target):
         """Lower a portable routine as TF ops: call it once on the copy's
         symbolic tensors (see :mod:`amanda.portable`)."""
@@ -425,12 +487,15 @@ class _GraphRewrite:
         return tensors
 
     def _routine_waits(self, op):
-        """What a routine passing tensors waits on: the last after-routine
+        """What a routine passing tensors waits on: the observing routines
+        whose results it reads (`_observing`), the last after-routine
         passing no tensor of each op whose tensors it reads (and, after an
         op, the op's before-routines passing none: a fed op never runs, but
         its after-routines still bring its before-routines with them)."""
-        waits = []
         kind, target = op.attrs["kind"], op.attrs["target"]
+        waits = [self._observing_ops[t.producer.attrs["action"]] for t in op.inputs
+                 if t.producer is not None and t.producer.type == ROUTINE
+                 and t.producer.attrs["action"] in self._observing_ops]
         for name in dict.fromkeys(_origin(t).split(":")[0] for t in op.inputs):
             self._ensure(name, "after", op if name == target else None)
             last = self.last_after.get(name)
@@ -477,10 +542,13 @@ class _GraphRewrite:
                 inputs.append(old)
                 continue
             new = self._tensor_in_copy(ir_input, self._made)
+            observing = self._observing_ops.get(ir_input.producer.attrs["action"])
+            if observing is not None:   # its result is its input: wait on it
+                self._also_waits.setdefault(name, []).append(observing)
             if new is not old and _structural_constant(old) and not portable.is_portable(
                     ir_input.producer.attrs["action"].func):   # TF ops keep the value visible
-                self._checks.setdefault(name, []).append(
-                    self._keep_constant(name, position, old, new, ir_input.producer))
+                self._also_waits.setdefault(name, []).append(
+                    keep_constant(self, name, position, old, new, ir_input.producer))
                 new = old
             inputs.append(new)
         return inputs
@@ -502,7 +570,7 @@ class _GraphRewrite:
                     if not _depends_on(routine, user_op, self.emitter.pending):
                         self._routine(routine, self._made)   # built now, to be waited on
                 waits.extend(self._reads.get(control, ()))
-        waits.extend(self._checks.pop(name, ()))
+        waits.extend(self._also_waits.pop(name, ()))
         return waits
 
     def _waiting_on(self, target):
@@ -526,26 +594,3 @@ class _GraphRewrite:
         elif kind.startswith("after"):
             for ir_input, new in zip(op.inputs, tensors):
                 self.final[_origin(ir_input)] = new
-
-    def _keep_constant(self, name, position, old, new, routine):
-        """An integer constant input (a shape, an axis, a TensorList's
-        element shape) that a Python routine sees stays the op's input: TensorFlow reads its value when
-        it builds and shape-checks the graph (a `TensorListReserve` fails on
-        an element shape it cannot see), which a routine's result would hide.
-        The routine still runs before the op (a control input, returned
-        here) and sees the value; returning another value is refused when
-        the op runs."""
-        action = routine.attrs["action"]
-        target = self.user_graph.get_operation_by_name(routine.attrs["target"])
-        user_op = self.user_graph.get_operation_by_name(name)
-        text = _kept_constant(action, (target.type, target.name, NAMESPACE),
-                              f"replaced input {position} of {user_op.type} {name!r}, an "
-                              "integer constant TensorFlow needs when it builds the graph; "
-                              "routines may read such constants but not replace them "
-                              "(docs/tensorflow.md)")
-        with tf.control_dependencies(self.emitter.gate([old.op])):   # in the op's loop frame
-            check = tf.debugging.assert_equal(new, old, message=text, name="amanda/kept_constant")
-        # used as a control input: without this TensorFlow logs "Object was
-        # never used" into the user's stderr when the copy is collected
-        getattr(check, "mark_used", lambda: None)()
-        return check

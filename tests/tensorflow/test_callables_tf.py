@@ -214,3 +214,63 @@ def test_run_options_and_metadata_go_through_session_run(shadow_runs):
                                run_metadata=metadata)
     assert shadow_runs[0] == 1 and len(metadata.step_stats.dev_stats) > 0
     same(got, plain.run(t["z"], {t["x"]: np.ones((1, 3), np.float32)}))
+
+
+def test_a_step_known_to_fetch_large_tensors_never_goes_through_a_callable(shadow_runs,
+                                                                          monkeypatch):
+    """Fetched tensors whose static shapes average over ``COPY_LIMIT``
+    bytes go through ``Session.run`` from the first run: a callable's
+    results are copied, which would hold them twice. Where the shapes are
+    not known, the first run measures them (through a callable)."""
+    from amanda.runtime import tensorflow_callables
+    made = []
+    original = v1.Session._make_callable_from_options
+
+    def making(self, options):
+        made.append(list(options.fetch))
+        return original(self, options)
+
+    monkeypatch.setattr(v1.Session, "_make_callable_from_options", making)
+    side = 256   # 256 KiB of float32, over the 64 KiB limit
+    assert side * side * 4 > tensorflow_callables.COPY_LIMIT
+    graph = tf.Graph()
+    with graph.as_default():
+        known = v1.placeholder(tf.float32, [side, side], name="known")
+        unknown = v1.placeholder(tf.float32, [None, side], name="unknown")
+        big, big_unknown = tf.negative(known, name="big"), tf.negative(unknown, name="big_u")
+    feed = {known: np.ones((side, side), np.float32), unknown: np.ones((side, side), np.float32)}
+    with v1.Session(graph=graph) as plain:
+        want = plain.run([big, big_unknown], feed)
+    with v1.Session(graph=graph) as session, amanda.apply(Watch()):
+        for _ in range(2):
+            same(session.run(big, feed), want[0])
+        assert made == [] and shadow_runs[0] == 2
+        for _ in range(2):
+            same(session.run(big_unknown, feed), want[1])
+        # measured on the first run, through a callable; Session.run after
+        assert len(made) == 1 and shadow_runs[0] == 3
+
+
+def test_a_step_fetching_many_tensors_over_the_total_limit_never_copies_them(shadow_runs,
+                                                                           monkeypatch):
+    """Many tensors under the mean limit but over ``COPY_TOTAL_LIMIT`` in
+    all: copies held beside them would add their total to the run's peak."""
+    from amanda.runtime import tensorflow_callables
+    made = []
+    original = v1.Session._make_callable_from_options
+    monkeypatch.setattr(v1.Session, "_make_callable_from_options",
+                        lambda self, options: made.append(1) or original(self, options))
+    count, side = 300, 120   # 300 tensors of 56 KiB: 16.5 MiB
+    each = side * side * 4
+    assert each < tensorflow_callables.COPY_LIMIT
+    assert count * each > tensorflow_callables.COPY_TOTAL_LIMIT
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [side, side], name="x")
+        outs = [tf.add(x, float(i)) for i in range(count)]
+    feed = {x: np.ones((side, side), np.float32)}
+    with v1.Session(graph=graph) as plain:
+        want = plain.run(outs, feed)
+    with v1.Session(graph=graph) as session, amanda.apply(Watch()):
+        same(session.run(outs, feed), want)
+    assert made == [] and shadow_runs[0] == 1

@@ -292,3 +292,129 @@ def test_a_routine_returning_none_after_gradient_terms_leaves_a_training_step_ex
                 session.run(train_op, feeds)
             values.append(session.run(w))
     assert values[0].tobytes() == values[1].tobytes()
+
+
+class _Watch(amanda.Tool):
+    """Before and after every op, inside the run: a routine that can only
+    return None (``look``), or, with ``may_return``, one that could return
+    arrays but does not."""
+
+    def __init__(self, may_return=False):
+        super().__init__()
+        self.log = []
+        self.may_return = may_return
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        name = context.get_op().name
+        routine = self.maybe if self.may_return else self.look
+        with hosted_observation():
+            context.insert_before_op(routine, op=name, point="before")
+            context.insert_after_op(routine, op=name, point="after")
+
+    def look(self, *arrays, op, point):
+        self.log.append((op, point, [np.array(a, copy=True) for a in arrays if a is not None]))
+
+    def maybe(self, *arrays, op, point):
+        self.look(*arrays, op=op, point=point)
+        return list(arrays) if len(arrays) > 99 else None
+
+
+def _types(copy):
+    import collections
+    return collections.Counter(op.type for op in copy.get_operations())
+
+
+def test_a_routine_that_can_only_return_none_is_one_callback_ordered_by_control_edges():
+    """An observing routine hosted in the run is one ``tf.numpy_function``
+    reading its tensors and nothing flows back: no ``Switch``/``Merge``
+    choosing between its result and the original, no ``EnsureShape``
+    (five ops per tensor a routine that may return needs). It still runs in
+    program order and sees the op's values."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2], name="x")
+        y = tf.math.sin(x, name="sin")
+        z = tf.math.exp(y, name="exp")
+    feed = {x: np.array([0.5, -1.0], np.float32)}
+    with tf.compat.v1.Session(graph=graph) as session:
+        want, sine = session.run([z, y], feed)
+    copies = {}
+    for may_return in (False, True):
+        tool = _Watch(may_return)
+        with tf.compat.v1.Session(graph=graph) as session:
+            with amanda.apply(tool):
+                got = session.run(z, feed)
+                copies[may_return] = _types(current_rewrite(session).copy)
+        assert got.tobytes() == want.tobytes()
+        points = [(op, point) for op, point, _ in tool.log]
+        assert points == [("x", "before"), ("x", "after"), ("sin", "before"), ("sin", "after"),
+                          ("exp", "before"), ("exp", "after")], points
+        values = {(op, point): arrays for op, point, arrays in tool.log}
+        assert values["sin", "after"][0].tobytes() == sine.tobytes()
+        assert values["exp", "before"][0].tobytes() == sine.tobytes()
+    only_none, may_return = copies[False], copies[True]
+    assert only_none["PyFunc"] == may_return["PyFunc"] == 6
+    assert only_none["Switch"] == only_none["Merge"] == only_none["EnsureShape"] == 0
+    assert may_return["Switch"] >= 8 and may_return["Merge"] >= 4
+
+
+class _AfterOne(amanda.Tool):
+    def __init__(self, name, kind):
+        super().__init__()
+        self.name, self.calls, self.kind = name, 0, kind
+        self.add_inst_for_op(self.backward, backward=True)
+
+    def backward(self, context):
+        if context.get_backward_op().name == self.name:
+            if self.kind == "count":
+                context.insert_after_backward_op(self.look, grad_inputs=[])
+            else:
+                context.insert_after_backward_op(self.maybe if self.kind == "maybe"
+                                                 else self.look)
+
+    def look(self, *arrays):
+        self.calls += 1
+
+    def maybe(self, *arrays):
+        self.look()
+        return list(arrays) if len(arrays) > 99 else None
+
+
+def test_an_after_routine_runs_whenever_its_op_runs():
+    """``tf.gradients`` builds the gradient of a ``MatMul`` with respect to
+    a placeholder, which nothing reads, and a ``tf.tuple`` group waits on
+    it: the graph runs it (the step stats of a session without Grappler,
+    which may prune it, say so), so its after-routines run, as a counter
+    selecting nothing always did, whether called after the run, hosted as
+    one callback, or hosted as a routine that may return arrays. (Before,
+    the last three did not run, and the counter did.)"""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 4], name="x")
+        w = tf.Variable(np.ones((4, 4), np.float32), name="w")
+        loss = tf.reduce_sum(tf.matmul(x, w))
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        init = tf.compat.v1.global_variables_initializer()
+    grad_x = [op for op in graph.get_operations() if op.type == "MatMul"
+              and "_grad" in op.name and op.outputs[0].shape == x.shape]
+    assert len(grad_x) == 1 and not grad_x[0].outputs[0].consumers()[0].outputs[0].consumers()
+    name, feed = grad_x[0].name, {x: np.ones((2, 4), np.float32)}
+    config = tf.compat.v1.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(train, feed, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+    ran = {node.node_name for dev in metadata.step_stats.dev_stats for node in dev.node_stats}
+    assert name in ran
+    for scope, kind in ((contextlib.nullcontext, "count"), (contextlib.nullcontext, "look"),
+                        (hosted_observation, "look"), (hosted_observation, "maybe")):
+        tool = _AfterOne(name, kind)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(init)
+            with scope(), amanda.apply(tool):
+                session.run(train, feed)
+                session.run(train, feed)
+        assert tool.calls == 2, (scope, kind)

@@ -207,7 +207,12 @@ def test_a_weight_observed_before_its_update_keeps_its_value(use_resource):
             w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 4), np.float32),
                                           use_resource=use_resource)
             loss = tf.reduce_sum(tf.matmul(x, w))
-            train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+            # the update after the loss: without this edge the MatMul and the
+            # in-place update of a reference variable race in TensorFlow
+            # itself (the gradient does not need the MatMul's result), and
+            # any timing change (a routine) can let the MatMul see the update
+            with tf.control_dependencies([loss]):
+                train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
             init = tf.compat.v1.global_variables_initializer()
         tool = Record()
         with tf.compat.v1.Session(graph=graph) as session:
