@@ -47,10 +47,24 @@ class _FunctionCopy:
             # outputs: they are fetched as operations, or pruning drops them
             effects = [self.rewrite.copy.get_operation_by_name(op.name)
                        for op in graph.control_outputs]
+            # callbacks only control edges tie to the outputs run as control
+            # outputs too: Grappler may remove the ops those edges went
+            # through (`_Observers.plan`, the same rule for Session.run)
+            effects += _by_edges(self.rewrite, [*fetches, *effects], feeds)
             self.pruned = self.wrapped.prune(feeds, (fetches, effects))
             self.pruned._amanda_copy = True
         with _surface():
             return self.pruned(*flat_inputs)[0]
+
+
+def _by_edges(rewrite, elements, feeds):
+    """The copy's callbacks in `_Observers.by_edges` that running
+    ``elements`` with ``feeds`` fed executes, in name order."""
+    from amanda.runtime.tensorflow_observe import _executed
+    executed = _executed(elements, frozenset(t.name for t in feeds))
+    copy = rewrite.copy
+    return [copy.get_operation_by_name(name)
+            for name in sorted(rewrite.observers.by_edges & executed)]
 
 
 def _patched_call_flat(self, tensor_inputs, captured_inputs):

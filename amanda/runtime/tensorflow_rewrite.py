@@ -58,7 +58,6 @@ class _GraphRewrite:
         self.realised = {}          # Action -> its tensors in the copy
         self.final = {}             # user tensor name -> what consumers read in the copy
         self.last_after = {}        # op name -> its last hosted after-routine
-        self._bare_after = set()    # names of those routines
         self._bare_before = {}      # op name -> its before-routines that pass no tensor
         self._control_users = None  # (graph version, op name -> user ops waiting on it)
         self.warned_bodies = set()  # call ops whose bodies' ops were said to be no points
@@ -258,6 +257,7 @@ class _GraphRewrite:
                 emitter.finish()
         finally:
             self._ir_ops, self._made = {}, None
+            emitter.fresh = set()   # a session may run them from now on
         self.observers.link(lowered)
 
     def _tensor_in_copy(self, ir_tensor, made):
@@ -398,6 +398,8 @@ class _GraphRewrite:
                 raise BackendError(f"before-routine of {name!r}: its op already exists in "
                                    "the copy (internal error: it cannot wait on the routine)")
             self._bare_before.setdefault(name, []).append(routine)
+            if not self._v1_flow:   # (a target may not sit in a loop's frame)
+                self.observers.by_edges.add(routine.name)
             return routine
         target = self.emitter.element("^" + name)
         self._ensure(name, "before")
@@ -410,7 +412,8 @@ class _GraphRewrite:
         with tf.control_dependencies(self.emitter.gate(controls)):
             routine = _numpy_function(self.copy, func, [trigger], [tf.int32], stateful=True,
                                       name=label)[0].op
-        self._bare_after.add(routine.name)
+        if not self._v1_flow:
+            self.observers.by_edges.add(routine.name)
         self.last_after[name] = routine
         return routine
 
@@ -455,8 +458,8 @@ class _GraphRewrite:
             routine = _numpy_function(self.copy, make_callback(), feed, [tf.int32],
                                       stateful=True, name=action.kind)[0].op
         self._observing_ops[action] = routine
+        self.observers.by_edges.add(routine.name)
         if after:
-            self._bare_after.add(routine.name)
             self.last_after[name] = routine
         else:
             self._bare_before.setdefault(name, []).append(routine)

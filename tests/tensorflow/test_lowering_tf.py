@@ -418,3 +418,61 @@ def test_an_after_routine_runs_whenever_its_op_runs():
                 session.run(train, feed)
                 session.run(train, feed)
         assert tool.calls == 2, (scope, kind)
+
+
+class _BeforeNeg(amanda.Tool):
+    def __init__(self, bare):
+        super().__init__()
+        self.calls, self.bare = 0, bare
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        if context.get_op().type == "Neg":
+            if self.bare:
+                context.insert_before_op(self.count, inputs=[])
+            else:
+                context.insert_before_op(self.look, inputs=[0])
+
+    def look(self, x):
+        self.calls += 1
+
+    def count(self):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("bare", [True, False])
+def test_routines_tied_by_control_edges_survive_grappler_removing_their_ops(bare):
+    """Grappler rewrites ``Neg(Neg(x))`` to ``x``, and the control edges that
+    made a routine's callback an ancestor of the fetch go with the removed
+    ops: hosted counters (``inputs=[]``) before a chain of 32 negations ran
+    twice instead of 32 times (before this was found), and so did
+    observers once they became one callback ordered by edges. A run now
+    names them as its targets (`_Observers.plan`). Checked against the
+    count called after the run, under ``cache_disabled()``, and in a
+    ``tf.function``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+        y = x
+        for i in range(32):
+            y = tf.negative(y, name=f"neg{i}")
+    feed = {x: np.ones(4, np.float32)}
+    for scope in (contextlib.nullcontext, hosted_observation, amanda.cache_disabled):
+        tool = _BeforeNeg(bare)
+        with tf.compat.v1.Session(graph=graph) as session:   # Grappler on
+            with scope(), amanda.apply(tool):
+                got = [session.run(y, feed) for _ in range(3)]
+        assert tool.calls == 3 * 32, scope
+        assert all(np.array_equal(value, feed[x]) for value in got)
+
+    @tf.function
+    def chain(v):
+        for _ in range(32):
+            v = tf.negative(v)
+        return v
+
+    tool = _BeforeNeg(bare)
+    with amanda.apply(tool):
+        chain(tf.ones(4))
+        chain(tf.ones(4))
+    assert tool.calls == 2 * 32
