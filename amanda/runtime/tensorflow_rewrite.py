@@ -27,7 +27,7 @@ from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flo
                                                 refuse_replacing)
 from amanda.runtime.tensorflow_observe import _Observers
 from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
-from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact
+from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact, warn_v1_bare
 
 
 def _structural_constant(tensor):
@@ -50,6 +50,7 @@ class _GraphRewrite:
         self.rewrites = rewrites    # () -> the Grappler options the copy runs under
         self.hosted = False         # a Python routine sits between two ops
         self.warned_exact = False
+        self.v1_bare = self.warned_v1_bare = False
         self.user_graph = user_graph
         self.amanda_session = amanda_session
         self.copy = copy
@@ -108,6 +109,7 @@ class _GraphRewrite:
         self._realise(lowered)
         self.version = version
         warn_inexact(self)
+        warn_v1_bare(self)
         return True
 
     def tensor(self, name):
@@ -387,7 +389,7 @@ class _GraphRewrite:
         """
         name = user_target.name
         func = _observer(action, where, count, [], [])
-        self._has_v1_flow()
+        self.v1_bare = self._has_v1_flow() or self.v1_bare   # (`warn_v1_bare`)
         label = action.kind
         if kind.startswith("before"):
             target = _Standing(self, user_target) if self._v1_flow else None
@@ -416,7 +418,6 @@ class _GraphRewrite:
             self.observers.by_edges.add(routine.name)
         self.last_after[name] = routine
         return routine
-
 
     def _has_v1_flow(self):
         if self._v1_flow is None:

@@ -78,3 +78,28 @@ def warn_bodies(self, ir_graph):
         f"bodies of {len(calls)} call op(s) are not instrumented one by one; only the "
         f"call ops are points: {listed}{more}. See docs/tensorflow.md, Limits.",
         NotInstrumentedWarning, stacklevel=_user_stacklevel())
+
+
+def warn_v1_bare(self):
+    """Say once that routines selecting no tensor in a graph with v1 control
+    flow may be skipped (docs/tensorflow.md, Limits): they are tied to their
+    op by control edges only and cannot be a run's targets there, and
+    Grappler's rewrites remove ops (``Neg(Neg(x))``) with their control
+    edges (a counter before each of eight negations in a v1 ``cond`` branch
+    ran 0 times). Nothing is said when those rewrites are off."""
+    if self.warned_v1_bare or not self.v1_bare or self.rewrites is None:
+        return
+    on = [name for name, enabled in self.rewrites().items() if enabled]
+    if not on:
+        return
+    self.warned_v1_bare = True
+    warnings.warn(
+        "amanda (TensorFlow): routines that select no tensor (inputs=[], outputs=[], or "
+        "an op without tensors) in a graph with v1 control flow are tied to their op by "
+        f"control edges only, and Grappler's {' and '.join(on)} may remove the op with "
+        "its edges: such a routine then does not run though the op's value is computed. "
+        "Turn those rewrites off (rewrite_options.arithmetic_optimization / "
+        "constant_folding = OFF in the session config) or select a tensor. See "
+        "docs/tensorflow.md, Limits.",
+        NotInstrumentedWarning, stacklevel=_user_stacklevel())
+

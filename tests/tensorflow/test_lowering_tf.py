@@ -476,3 +476,46 @@ def test_routines_tied_by_control_edges_survive_grappler_removing_their_ops(bare
         chain(tf.ones(4))
         chain(tf.ones(4))
     assert tool.calls == 2 * 32
+
+
+def test_counters_in_a_v1_graph_that_grappler_may_skip_are_said_loudly():
+    """In a graph with v1 control flow a routine selecting no tensor cannot
+    be a run's target, and Grappler's arithmetic optimizer removing
+    ``Neg(Neg(x))`` skipped all eight counters of a ``cond`` branch:
+    amanda says so (a ``NotInstrumentedWarning``) where those rewrites are
+    on, and with them off every counter runs and nothing is said."""
+    import warnings
+    from amanda.errors import NotInstrumentedWarning
+    graph = tf.Graph()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+            take = tf.compat.v1.placeholder(tf.bool, [], name="take")
+
+            def branch():
+                y = x
+                for _ in range(8):
+                    y = tf.negative(y)
+                return y
+
+            out = tf.compat.v1.cond(take, branch, lambda: x * 2.0)
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+    feed = {x: np.ones(4, np.float32), take: True}
+    for rewrites_off in (False, True):
+        config = tf.compat.v1.ConfigProto()
+        if rewrites_off:
+            options = config.graph_options.rewrite_options
+            options.arithmetic_optimization = options.constant_folding = options.OFF
+        tool = _BeforeNeg(bare=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tf.compat.v1.Session(graph=graph, config=config) as session, \
+                    amanda.apply(tool):
+                assert session.run(out, feed).tobytes() == feed[x].tobytes()
+        said = [w for w in caught if issubclass(w.category, NotInstrumentedWarning)
+                and "v1 control flow" in str(w.message)]
+        assert bool(said) != rewrites_off
+        if rewrites_off:
+            assert tool.calls == 8
