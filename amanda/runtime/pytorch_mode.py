@@ -397,7 +397,7 @@ def _before_lane(record, func, args, kwargs):
     if not _apply_actions(record.before, values, record.where):
         return func(*args, **kwargs)
     slots = _flatten(args, kwargs)[1]
-    swapped = _swapped(tensors, values, slots, _writes_of(func, args, kwargs))
+    swapped = _swapped(tensors, values, slots, *_writes_of(func, args, kwargs))
     args, kwargs = _rebuild(args, kwargs, slots, values)
     result = _write_back(swapped, func(*args, **kwargs), record.name)
     _mark_viewed(swapped, result)
@@ -453,7 +453,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         originals = list(tensors)
         if _apply_actions(record.before, tensors, where):
             slots = _flatten(args, kwargs)[1]
-            swapped = _swapped(originals, tensors, slots, _writes_of(func, args, kwargs))
+            swapped = _swapped(originals, tensors, slots, *_writes_of(func, args, kwargs))
             args, kwargs = _rebuild(args, kwargs, slots, tensors)
     versions = ([None if t.is_inference() else t._version for t in tensors]   # _version_of
                 if record.after and computed is _NOTHING else None)
@@ -502,7 +502,7 @@ def _run_op(cache, record, func, args, kwargs, computed=_NOTHING):
         if _apply_actions(record.after, outputs, where):
             _write_into_modified(produced, outputs, tensors, versions, swapped,
                                  result is None, where[0], _flatten(args, kwargs)[1],
-                                 _writes_of(func, args, kwargs))
+                                 _writes_of(func, args, kwargs)[0])
             _mark_replaced_views(produced, outputs, tensors)
             if result is not None:
                 result = _rebuild_outputs(result, outputs)

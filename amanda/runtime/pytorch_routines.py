@@ -130,6 +130,9 @@ def _apply_actions(actions, values, where):
             old = values[pos]
             if new is None or new is old:
                 continue
+            if isinstance(new, _Tensor) and isinstance(old, _Tensor) \
+                    and new.stride() != old.stride():
+                new = _in_layout_of(old, new)
             if not action.ad and isinstance(old, _Tensor) and _differentiated(old):
                 if old.is_nested and old.layout is torch.strided:
                     raise _strided_nested(action, where)
@@ -137,6 +140,37 @@ def _apply_actions(actions, values, where):
             values[pos] = new
             changed = True
     return changed
+
+
+def _in_layout_of(old, new):
+    """**Rule: a replacement takes the memory layout of the tensor it
+    replaces.** What reads a tensor may compute other bits from the same
+    values in another layout (a reduction sums in memory order: the backward
+    of a gather over a gradient with gaps between its elements), so a
+    routine's result of other strides (``clone()`` of a tensor with gaps
+    between its elements is compact) is copied into a tensor of the
+    original's strides. A tensor whose elements overlap in memory (an
+    ``expand``) cannot hold other values in its layout, and a tensor of
+    another layout than ``torch.strided`` has no strides: the replacement
+    is kept as the routine made it."""
+    if old.layout is not torch.strided or new.layout is not torch.strided or old.is_nested \
+            or new.device != old.device or _overlapping(old):
+        return new
+    laid_out = torch.empty_strided(old.size(), old.stride(), dtype=new.dtype, device=new.device)
+    laid_out.copy_(new)
+    return laid_out
+
+
+def _overlapping(tensor):
+    """Whether two elements of a strided tensor may share memory (a stride
+    that does not step past everything the smaller strides span)."""
+    spanned = 0
+    for stride, size in sorted(zip(tensor.stride(), tensor.size())):
+        if size > 1:
+            if stride <= spanned:
+                return True
+            spanned += stride * (size - 1)
+    return False
 
 
 def _strided_nested(action, where):

@@ -135,13 +135,20 @@ def _in_place_name(name):
         name.startswith("__i") and name.endswith("__"))
 
 
-def _swapped(originals, tensors, slots, writes):
+def _swapped(originals, tensors, slots, writes, probe=None):
     """[original, replacement, the replacement's version, whether the op
-    writes that argument by its declaration (``_writes_of``)] for each
-    tensor a before-routine replaced."""
-    return [[old, new, _version_of(new), bool(writes) and _declared(writes, slot)]
-            for old, new, slot in zip(originals, tensors, slots)
-            if new is not old and isinstance(old, _Tensor) and isinstance(new, _Tensor)]
+    writes that argument by its declaration (``_writes_of``), and, while the
+    op is being probed (`_writes_of`), ``(probe key, slot, a copy of the
+    replacement)``] for each tensor a before-routine replaced."""
+    entries = []
+    for old, new, slot in zip(originals, tensors, slots):
+        if new is old or not isinstance(old, _Tensor) or not isinstance(new, _Tensor):
+            continue
+        declared = bool(writes) and _declared(writes, slot)
+        snapshot = (probe, slot, new.detach().clone()) if probe is not None and not declared \
+            else None
+        entries.append([old, new, _version_of(new), declared, snapshot])
+    return entries
 
 
 _BINDINGS = (types.BuiltinFunctionType, types.MethodDescriptorType)
@@ -166,14 +173,9 @@ def _declared_writes(func):
     except TypeError:          # an unhashable callable: no schema
         return None
     found = set()
-    # only torch's generated bindings take their arguments in the schema's
-    # order; a Python function of the same name (F.batch_norm) need not
-    name = getattr(func, "__name__", None) if isinstance(func, _BINDINGS) else None
     try:
-        packet = getattr(torch.ops.aten, name) if name else None
-        overloads = packet.overloads() if packet is not None else ()
-        for overload in overloads:
-            for i, arg in enumerate(getattr(packet, overload)._schema.arguments):
+        for schema in _schemas(func):
+            for i, arg in enumerate(schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     found.add(arg.name)
                     if not arg.kwarg_only:
@@ -184,28 +186,87 @@ def _declared_writes(func):
     return writes
 
 
-# Ops that write arguments their schema does not mark, and do not bump
-# their version counters either: batch norm's running statistics (instance
-# norm copies them back with copy_, which does). func -> (the arguments
-# written, and the position, name and default of the flag under which they
-# are written)
-_STATS = frozenset(("running_mean", "running_var"))
-_UNDECLARED = {
-    torch.nn.functional.batch_norm: (_STATS | {1, 2}, 5, "training", False),
-    torch.batch_norm: (_STATS | {3, 4}, 5, "training", None),
-}
+def _schemas(func):
+    """The ATen schemas a call of ``func`` may run under, in the order its
+    arguments are taken: an ``OpOverload``'s own, every overload's of an
+    ``OpOverloadPacket`` (``torch.ops.aten.x``), or, for torch's generated
+    bindings (``torch.add``, ``Tensor.add_``), every overload's of the ATen
+    op of that name. A Python function (``F.batch_norm``) has none: its
+    arguments need not be in any schema's order."""
+    if isinstance(func, torch._ops.OpOverload):
+        return [func._schema]
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        packet = func
+    elif isinstance(func, _BINDINGS):
+        packet = getattr(torch.ops.aten, func.__name__, None)
+    else:
+        return []
+    return [getattr(packet, overload)._schema for overload in packet.overloads()] \
+        if packet is not None else []
+
+
+# (func, the shape of its arguments: `_probe_key`) -> the argument slots a
+# call of that kind was seen to write while probed (`_write_back`)
+_PROBED = {}
+
+
+def _probe_key(func, args, kwargs):
+    """What decides whether a call of ``func`` writes its arguments, besides
+    their values: the function and its non-tensor arguments (batch norm
+    writes its running statistics only when its ``training`` flag is set);
+    None for a call that cannot be keyed (it is then never probed)."""
+    def shape(value):
+        if isinstance(value, _Tensor):
+            return "T"
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return "f"
+        if isinstance(value, (list, tuple)):
+            return tuple(shape(v) for v in value)
+        return type(value).__name__
+    try:
+        key = (func, tuple(shape(a) for a in args),
+               tuple(sorted((k, shape(v)) for k, v in kwargs.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _writes_of(func, args, kwargs):
-    """The arguments this call of ``func`` writes by declaration: its
-    schema's (``_declared_writes``), or, for batch norm, its running
-    statistics when the call updates them (in training)."""
-    undeclared = _UNDECLARED.get(func)
-    if undeclared is not None:
-        written, position, name, default = undeclared
-        flag = args[position] if len(args) > position else kwargs.get(name, default)
-        return written if flag else None
-    return _declared_writes(func)
+    """The arguments this call of ``func`` writes by declaration, and
+    whether to probe it: ``(writes, probe key or None)``.
+
+    **Rule: what an op writes is what its ATen schema declares, or what a
+    probe saw it write.** Some ops write arguments that neither their schema
+    marks nor their version counters show: batch norm's running statistics
+    (``F.batch_norm``, ``torch.batch_norm``, ``torch.native_batch_norm`` in
+    training; their schemas declare only the ``out=`` overload's writes).
+    The first call of each kind (`_probe_key`) on which a before-routine
+    replaced a tensor the schema does not declare written compares each such
+    replacement with a copy taken before the call; the arguments seen to
+    change count as written for every later call of that kind. A probe costs one copy of the replaced tensors, once per kind of
+    call. (An op whose write leaves a value unchanged on its first call is
+    not seen to write it.)"""
+    declared = _declared_writes(func)
+    key = _probe_key(func, args, kwargs)
+    if key is None:
+        return declared, None
+    seen = _PROBED.get(key)
+    if seen is None:
+        return declared, key
+    return (declared or frozenset()) | seen or None, None
+
+
+def _same_bits(a, b):
+    """Whether a tensor still holds what its copy ``b`` holds (NaN equal to NaN)."""
+    try:
+        if torch.equal(a, b):
+            return True
+        return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else False
+    except (RuntimeError, TypeError, NotImplementedError):
+        return True      # cannot be compared (sparse, nested): nothing seen
 
 
 def _declared(writes, slot):
@@ -228,13 +289,19 @@ def _write_back(swapped, result, name):
     ``_write_into_modified`` reads it.)"""
     written = {}
     for entry in swapped:
-        old, new, version, declared = entry
+        old, new, version, declared, snapshot = entry
         if declared:            # declared written (_writes_of)
             modified = True
         elif version is None:   # an inference tensor: no version counter
             modified = _in_place_name(name) and (new is result or result is None)
         else:
             modified = new._version != version
+        if snapshot is not None:     # the op is being probed (_writes_of)
+            key, slot, before = snapshot
+            seen = _PROBED.setdefault(key, set())
+            if not _same_bits(new, before):
+                modified = True
+                seen.add(slot[0])
         if modified:
             if old.shape != new.shape:
                 # a write that resized its tensor (``resize_``: a quantization
@@ -280,7 +347,7 @@ def _write_into_modified(produced, outputs, inputs, versions, swapped, returned_
             modified.add(id(t))
     if writes and inputs:
         modified.update(id(t) for t, slot in zip(inputs, slots) if _declared(writes, slot))
-    for old, new, state, _ in swapped or ():
+    for old, new, state, _, _ in swapped or ():
         if state == "written":
             modified.add(id(old))
     input_ids = {id(t) for t in inputs or ()}
