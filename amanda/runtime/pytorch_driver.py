@@ -304,6 +304,7 @@ class TorchEagerDriver(Driver):
         ]
         _patch_engine()
         _patch_graph_capture()
+        _recompute_whole_segments()
         install_quick_registration()
         if "torch._dynamo" in sys.modules:
             _compile_eagerly()
@@ -314,8 +315,33 @@ class TorchEagerDriver(Driver):
         self._handles = []
         _restore_engine()
         _restore_graph_capture()
+        _restore_early_stop()
         remove_quick_registration()
         _restore_compile()
+
+
+_EARLY_STOP = []    # the user's checkpoint early-stop setting while apply holds it
+
+
+def _recompute_whole_segments():
+    """**Rule: a recomputed op runs whole, points and all.** Non-reentrant
+    activation checkpointing stops recomputing a segment as soon as it has
+    the tensors backward needs (its "early stop"), by raising out of the op
+    that saves the last of them: that op's before-routines had run and its
+    after-routines never did (a LLaMA layer's last projections ran their
+    before-routines twice a step and their after-routines once). Inside
+    ``apply`` segments checkpointed there are recomputed whole, as
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` does: the
+    same values, the rest of each segment recomputed too."""
+    import torch.utils.checkpoint as checkpoint
+    _EARLY_STOP.append(checkpoint._enable_checkpoint_early_stop)
+    checkpoint._enable_checkpoint_early_stop = False
+
+
+def _restore_early_stop():
+    if _EARLY_STOP:
+        import torch.utils.checkpoint as checkpoint
+        checkpoint._enable_checkpoint_early_stop = _EARLY_STOP.pop()
 
 
 # -- forked processes -----------------------------------------------------------------
