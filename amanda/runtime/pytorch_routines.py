@@ -131,6 +131,8 @@ def _apply_actions(actions, values, where):
             if new is None or new is old:
                 continue
             if isinstance(new, _Tensor) and isinstance(old, _Tensor) \
+                    and old.layout is _STRIDED and new.layout is _STRIDED \
+                    and not old.is_nested and not new.is_nested \
                     and new.stride() != old.stride():
                 new = _in_layout_of(old, new)
             if not action.ad and isinstance(old, _Tensor) and _differentiated(old):
@@ -140,6 +142,9 @@ def _apply_actions(actions, values, where):
             values[pos] = new
             changed = True
     return changed
+
+
+_STRIDED = torch.strided
 
 
 def _in_layout_of(old, new):
@@ -153,8 +158,7 @@ def _in_layout_of(old, new):
     ``expand``) cannot hold other values in its layout, and a tensor of
     another layout than ``torch.strided`` has no strides: the replacement
     is kept as the routine made it."""
-    if old.layout is not torch.strided or new.layout is not torch.strided or old.is_nested \
-            or new.device != old.device or _overlapping(old):
+    if new.device != old.device or _overlapping(old):
         return new
     laid_out = torch.empty_strided(old.size(), old.stride(), dtype=new.dtype, device=new.device)
     laid_out.copy_(new)

@@ -15,7 +15,7 @@ Where amanda says that bits may differ (``NotBitExactWarning``), values are not
 compared; the sweep counts such samples and the README names them. An op that
 cannot pass is listed in ``EXPECTED_FAILURES`` with the reason; none is now.
 
-The whole database is slow-marked (about 3 minutes here); ``QUICK`` runs in the
+The whole database is slow-marked (3 to 10 minutes here); ``QUICK`` runs in the
 fast loop.
 """
 
@@ -36,10 +36,16 @@ SAMPLES = 3
 #: one that starts passing fails the sweep until it is taken off).
 EXPECTED_FAILURES = {}
 
+#: Ops whose results are uninitialised memory: torch defines no values to
+#: compare (torch's own OpInfo tests skip their values too); errors, counts
+#: and the cache are still checked.
+VALUES_UNDEFINED = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                    "new_empty_strided"}
+
 #: A fixed quick subset across kinds of op: pointwise, reductions, views,
 #: in-place, random, linear algebra, convolution, normalisation (the batch
 #: norm variants that update running statistics), indexing.
-QUICK = ("add", "mul", "sum", "mean", "view", "transpose", "index_select", "nn.functional.dropout",
+QUICK = ("add", "mul", "empty_like", "sparse.sampled_addmm", "as_strided.partial_views", "sum", "mean", "view", "transpose", "index_select", "nn.functional.dropout",
          "matmul", "nn.functional.conv2d", "nn.functional.batch_norm", "native_batch_norm",
          "_batch_norm_with_update", "nn.functional.layer_norm", "softmax", "cat", "where",
          "nn.functional.embedding", "cumsum", "max.reduction_with_dim", "addmm", "clamp")
@@ -72,7 +78,8 @@ def test_opinfo_under_amanda_equals_plain(op):
     assert samples, "the OpInfo gave no sample"
     problems = []
     for index, sample in enumerate(samples[:SAMPLES]):
-        found, _ = check_sample(op, sample, op.supports_autograd)
+        found, _ = check_sample(op, sample, op.supports_autograd,
+                                values_defined=op.name not in VALUES_UNDEFINED)
         problems += [f"sample {index}: {p}" for p in found]
         assert backend_clean(), "apply left a mode or a hook behind"
     assert not problems, "\n".join(problems)
