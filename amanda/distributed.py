@@ -1,7 +1,7 @@
 """Reports of several processes (``torch.distributed`` ranks) merged into one.
 
 PyTorch only (process groups and DDP are ``torch.distributed``'s); the
-torch side lives in :mod:`amanda.runtime.pytorch_distributed`.
+torch side lives in :mod:`amanda.runtime.pytorch.distributed`.
 
 amanda's tools run unchanged inside ``DistributedDataParallel``; each rank
 has its own profiler with its own results. The helpers here are collective
@@ -128,7 +128,7 @@ def merge_counts(reports, what="counts", strict=False):
 # -- collectives -------------------------------------------------------------------------------
 
 def _dist():
-    from amanda.runtime.pytorch_distributed import process_group
+    from amanda.runtime.pytorch.distributed import process_group
     return process_group()
 
 
@@ -216,7 +216,7 @@ def run_local(worker, nproc, *args):
     Returns:
         The workers' return values, by rank.
     """
-    from amanda.runtime.pytorch_distributed import run_workers
+    from amanda.runtime.pytorch.distributed import run_workers
     if nproc < 1:
         raise AmandaError(f"amanda.distributed.run_local: nproc must be at least 1, got {nproc}")
     with tempfile.TemporaryDirectory() as folder:
@@ -232,7 +232,7 @@ def _profile_worker(rank, nproc, spec, what, steps, kernels):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import amanda
     from amanda import models
-    from amanda.runtime.pytorch_distributed import wrap_ddp
+    from amanda.runtime.pytorch.distributed import wrap_ddp
     work = models.load(spec)
     if work.framework != "pytorch":
         raise AmandaError(f"amanda.distributed: {spec} is a {work.framework} model; "

@@ -1,7 +1,7 @@
 """``amanda.export``: an instrumented model as a runnable ONNX model.
 
 The backend-neutral entry point; the work is done by the runtime of the
-model's framework (``amanda.runtime.pytorch_export`` for PyTorch), loaded on
+model's framework (``amanda.runtime.pytorch.export`` for PyTorch), loaded on
 first use so that importing amanda imports no framework.
 """
 
@@ -13,7 +13,7 @@ from amanda.errors import BackendError
 
 # top-level module of a class in the model's MRO -> (module, function)
 _EXPORTERS = {
-    "torch": ("amanda.runtime.pytorch_export", "export_torch"),
+    "torch": ("amanda.runtime.pytorch.export", "export_torch"),
 }
 
 

@@ -34,7 +34,7 @@ def instrument(program, *tools):
     Args:
         program: an :class:`amanda.ir.Graph`, a ``tf.Graph``, a ``GraphDef``,
             an ``onnx.ModelProto``, or a PyTorch graph capture
-            (:func:`amanda.runtime.pytorch_graph.capture`).
+            (:func:`amanda.runtime.pytorch.capture.capture`).
         *tools: the tools to apply (with their dependencies).
 
     Returns:

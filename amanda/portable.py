@@ -107,7 +107,7 @@ def _backend(*values):
 #: framework (as `_backend` names it) -> the module running the vocabulary on
 #: its tensors; loaded when a value of that framework is first seen.
 FRAMEWORK_OPS = {
-    "torch": "amanda.runtime.pytorch_portable_ops",
+    "torch": "amanda.runtime.pytorch.portable_ops",
     "tensorflow": "amanda.runtime.tensorflow_portable_ops",
 }
 

@@ -72,7 +72,7 @@ class PointwiseMLP(torch.nn.Module):
 
 
 def run(repeats=None, quick=False, log=print):
-    from amanda.runtime import pytorch_compiled
+    from amanda.runtime.pytorch import compiled as pytorch_compiled
     saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True   # the compiled path (the default)
     try:
         return _run(repeats, quick, log)

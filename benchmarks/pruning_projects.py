@@ -49,8 +49,8 @@ PROJECTS = [
 #: layering keeps torch out of amanda/tools/): counted with the tool, since
 #: it is the project's code
 RUNTIME_PARTS = {
-    "feature_boosting": "pytorch_pruning_feature_boosting",
-    "activation": "pytorch_pruning_activation",
+    "feature_boosting": "pytorch/pruning_feature_boosting",
+    "activation": "pytorch/pruning_activation",
 }
 
 

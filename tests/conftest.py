@@ -31,7 +31,7 @@ def compiled_path_fresh_dynamo():
     changed it) between two ``torch._dynamo.reset()``: no compiled code or
     recompilation count carried from one test to the next. Used by the
     tests/test_compiled_*.py files (``pytestmark``)."""
-    from amanda.runtime import pytorch_compiled
+    from amanda.runtime.pytorch import compiled as pytorch_compiled
     saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
     torch._dynamo.reset()
     yield

@@ -1,4 +1,4 @@
-"""Compiled PyTorch: tools run inside torch.compile'd graphs (amanda.runtime.pytorch_compiled)."""
+"""Compiled PyTorch: tools run inside torch.compile'd graphs (amanda.runtime.pytorch.compiled)."""
 
 import collections
 import io
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
 from amanda import portable  # noqa: E402
-from amanda.runtime import pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 
 _DEFAULT = pytorch_compiled.ENABLED      # as imported, before any test sets it
 
@@ -642,7 +642,7 @@ def test_module_compile_in_place_has_the_ids_of_eager():
 def test_ops_without_a_site_run_eagerly(monkeypatch):
     """A Dynamo layout where the site cannot be read: the call runs eagerly
     (its ids would be unknown), never with ids that may not be eager's."""
-    from amanda.runtime import pytorch_compiled_sites
+    from amanda.runtime.pytorch.compiled import sites as pytorch_compiled_sites
 
     def unreadable(tx):
         raise AttributeError("a layout amanda does not know")

@@ -1,6 +1,6 @@
 """Compiled PyTorch on real models, by difference with eager: the same
 (op id, op name, point) executions, and identity routines that leave the
-compiled outputs bit-identical (amanda.runtime.pytorch_compiled)."""
+compiled outputs bit-identical (amanda.runtime.pytorch.compiled)."""
 
 import collections
 
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
 from amanda import portable  # noqa: E402
-from amanda.runtime import pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py

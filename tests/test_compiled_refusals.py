@@ -1,5 +1,5 @@
 """Compiled PyTorch: Dynamo refusing a frame part-way through a call that
-amanda started compiled (amanda.runtime.pytorch_compiled).
+amanda started compiled (amanda.runtime.pytorch.compiled).
 
 Each program below makes Dynamo give up on a frame after amanda's compiled
 call began (its eager machinery taken out): the recompile limit (guarded by
@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
 from amanda import portable  # noqa: E402
-from amanda.runtime import pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 
 F = torch.nn.functional
 

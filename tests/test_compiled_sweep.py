@@ -1,5 +1,5 @@
 """Compiled PyTorch on the real-model sweep's models, by difference with eager
-(amanda.runtime.pytorch_compiled, on by default).
+(amanda.runtime.pytorch.compiled, on by default).
 
 Every forward case of tests/sweep_models.py (eval mode, or train mode where
 the case asks for it, under ``torch.no_grad()``; bf16 autocast where the
@@ -40,7 +40,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
-from amanda.runtime import pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 from tests.sweep_models import CASES  # noqa: E402
 from tests.test_compiled_models import CountPoints, Identity, _same, _tensors  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Compiled PyTorch: analysis routines receive the real tensors an eager op's
 first execution gives them, and the run that produces them leaves nothing
-behind (amanda.runtime.pytorch_compiled_probe._Probe). Checked by difference with
+behind (amanda.runtime.pytorch.compiled.probe._Probe). Checked by difference with
 eager (the values a tool reads, the masks and FLOPs tools compute) and with
 the same compiled model outside amanda (outputs, buffers, parameters, the
 random number generator, the caller's input)."""
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
-from amanda.runtime import pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 from amanda.tools.flops import FlopsProfiler  # noqa: E402
 from amanda.tools.pruning import Pruner  # noqa: E402
 

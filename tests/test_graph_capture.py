@@ -10,10 +10,10 @@ transformers = pytest.importorskip("transformers")
 
 import amanda  # noqa: E402
 from amanda.errors import BackendError  # noqa: E402
-from amanda.frontends.pytorch_graph import NAMESPACE  # noqa: E402
+from amanda.frontends.pytorch.graph import NAMESPACE  # noqa: E402
 from amanda.ir import graph_from_json, graph_to_json  # noqa: E402
 from amanda.passes.lower_actions import ROUTINE  # noqa: E402
-from amanda.runtime.pytorch_graph import capture, lower_to_graph_module  # noqa: E402
+from amanda.runtime.pytorch.capture import capture, lower_to_graph_module  # noqa: E402
 from amanda.tools.mapping import MappingTool  # noqa: E402
 from amanda.tools.mapping_rules import RULES  # noqa: E402
 
@@ -262,7 +262,7 @@ def test_docs_page_examples_run():
 
 def test_amanda_instrument_dispatches_a_captured_program():
     import amanda
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
     from tests.models import build_model
     model, x = build_model("cnn")
 

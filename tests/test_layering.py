@@ -24,7 +24,7 @@ BACKEND_AREAS = ("frontends/", "runtime/", "cli/", "models.py",
 
 #: Modules outside the backend areas that may import a framework, with why.
 #: Keep it empty: a tool that only makes sense for one framework keeps its
-#: framework code in ``amanda/runtime/`` too (``pytorch_pruning_*.py``).
+#: framework code in ``amanda/runtime/`` too (``pytorch/pruning_*.py``).
 EXCEPTIONS = {}
 
 

@@ -267,7 +267,7 @@ def randomize_batch_norms(model):
 
 @pytest.fixture(scope="module")
 def torch_resnet():
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     torch.manual_seed(0)
     model = randomize_batch_norms(transformers.ResNetModel(transformers.ResNetConfig()).eval())
@@ -302,14 +302,14 @@ def test_explainer_on_a_deliberately_failing_pytorch_pattern(torch_resnet):
     assert why.node == "norm" and why.target == "batch_norm"
     assert "pattern node 'norm' (layer_norm) against 'batch_norm': type is 'batch_norm'" in str(why)
     training_only = rewrite.fold_batchnorm_rules("pytorch")[0].pattern
-    train_program = __import__("amanda.runtime.pytorch_graph", fromlist=["capture"]).capture(
+    train_program = __import__("amanda.runtime.pytorch.capture", fromlist=["capture"]).capture(
         torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train(), (torch.randn(2, 3, 8, 8),))
     why = explain(training_only, train_program.graph)
     assert why.node == "bn" and "inference mode" in why.reason
 
 
 def test_gelu_tanh_rewrite_matches_the_tanh_model():
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     def bert(act):
         torch.manual_seed(0)
@@ -331,7 +331,7 @@ def test_gelu_tanh_rewrite_matches_the_tanh_model():
 
 
 def test_explainer_on_a_gelu_that_is_already_tanh():
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     program = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh")),
                       (torch.randn(2, 4),))
@@ -354,7 +354,7 @@ class MatMulNet(torch.nn.Module):
 
 
 def test_fake_quant_pair_around_every_matmul():
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     torch.manual_seed(0)
     model = MatMulNet().eval()

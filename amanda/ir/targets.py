@@ -10,7 +10,7 @@ it up in an explicit table of operators and refuses everything else.
 The IR imports no backend, so it holds only the registry. A backend registers
 its resolver for a namespace prefix (``"pytorch"`` covers
 ``"pytorch/2.13.0/graph"``) with `register_target_resolver`. The PyTorch table
-lives in `amanda.frontends.pytorch_targets`; `PROVIDERS` names it, so reading a
+lives in `amanda.frontends.pytorch.targets`; `PROVIDERS` names it, so reading a
 PyTorch graph file loads it (and torch) on demand, the way the runtime loads a
 backend when first used.
 
@@ -38,7 +38,7 @@ ROUTINE = "amanda.routine"
 
 #: Namespace prefix -> module that registers that prefix's resolver on import.
 #: Only modules in this table are ever imported by the resolver registry.
-PROVIDERS = {"pytorch": "amanda.frontends.pytorch_targets"}
+PROVIDERS = {"pytorch": "amanda.frontends.pytorch.targets"}
 
 _resolvers = {}
 _lock = threading.Lock()

@@ -31,7 +31,7 @@ Every support module exposes:
 * ``ROUTINES_ORDERED_BY_DATAFLOW``: whether a routine runs in order with
   its op only through the tensors it hands back (ONNX).
 
-Backend-specific helpers (``pytorch_tools.call_arguments``,
+Backend-specific helpers (``pytorch.tools.call_arguments``,
 ``onnx_tools.node_attribute``, ...) are documented in each module.
 """
 
@@ -43,7 +43,7 @@ __all__ = ["SUPPORT", "module_path_from_op", "support_for"]
 
 #: backend (first part of a namespace) -> its tool-support module
 SUPPORT = {
-    "pytorch": "amanda.runtime.pytorch_tools",
+    "pytorch": "amanda.runtime.pytorch.tools",
     "tensorflow": "amanda.runtime.tensorflow_tools",
     "onnx": "amanda.runtime.onnx_tools",
 }

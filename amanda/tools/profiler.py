@@ -448,7 +448,7 @@ def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
 def _render_docs_figure(path):
     """Profile one training step of a small random BERT and plot it
     (``python -m amanda.tools.profiler docs/figures/trace.png``)."""
-    from amanda.runtime.pytorch_examples import random_bert
+    from amanda.runtime.pytorch.examples import random_bert
     model, ids = random_bert(hidden_size=128, layers=2, heads=2, intermediate_size=512,
                              vocab_size=1000, batch=2, tokens=32)
     profiler = OpProfiler()

@@ -4,7 +4,7 @@
 methods that run ops inside ``record_function`` ranges, group the profiler's
 events (aten ops; CUDA kernels on a GPU) by the op enclosing them and report
 them. torch is imported only when recording starts, by
-:func:`amanda.runtime.pytorch_tools.kernel_profiler`.
+:func:`amanda.runtime.pytorch.tools.kernel_profiler`.
 """
 
 from __future__ import annotations

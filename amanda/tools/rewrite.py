@@ -20,7 +20,7 @@ in `amanda.passes.rewrite`.
 Rewriting works on any IR graph; to run the result, lower it back:
 
 * PyTorch graph capture: ``program.rewrite(rules)`` on a
-  `amanda.runtime.pytorch_graph.CapturedProgram`;
+  `amanda.runtime.pytorch.capture.CapturedProgram`;
 * TensorFlow: ``lower_to_graph_def(rewritten, base=tf_graph)``
   (`amanda.runtime.tensorflow_graphdef`);
 * ONNX: ``amanda.runtime.onnx.lower(rewritten)``.

@@ -124,7 +124,7 @@ def test_importing_the_ir_imports_no_backend():
 def torch_graph():
     """JSON of a small captured PyTorch graph."""
     torch = pytest.importorskip("torch")
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU()).eval()
@@ -171,7 +171,7 @@ ALLOWED = ["aten.add.Tensor", "aten.conv2d.default", "aten._native_batch_norm_le
 
 @pytest.mark.parametrize("name", ALLOWED)
 def test_operators_of_the_table_resolve(torch_graph, name):
-    from amanda.frontends.pytorch_targets import RESOLVER, is_allowed
+    from amanda.frontends.pytorch.targets import RESOLVER, is_allowed
 
     assert is_allowed(RESOLVER.resolve(name))
 
@@ -181,7 +181,7 @@ def test_target_names_of_native_functions_are_in_the_table(torch_graph):
 
     import torch
 
-    from amanda.frontends.pytorch_graph import resolve_target, target_name
+    from amanda.frontends.pytorch.graph import resolve_target, target_name
 
     for fn in (torch.ops.aten.mul.Tensor, torch.relu, torch.Tensor.add, torch.Tensor.__getitem__,
                torch.nn.functional.gelu, operator.getitem, torch.sym_int):
@@ -190,7 +190,7 @@ def test_target_names_of_native_functions_are_in_the_table(torch_graph):
 
 def test_lowering_resolves_through_the_table(torch_graph):
     from amanda.errors import BackendError
-    from amanda.runtime.pytorch_graph import lower_to_graph_module
+    from amanda.runtime.pytorch.capture import lower_to_graph_module
 
     program, _, _ = torch_graph
     graph = program.graph.copy()
@@ -224,7 +224,7 @@ def test_attribute_paths_are_plain_names(torch_graph, path):
 
 def test_attr_inputs_walk_submodules_only(torch_graph):
     from amanda.errors import BackendError
-    from amanda.runtime.pytorch_graph import _get_attr
+    from amanda.runtime.pytorch.capture import _get_attr
 
     program, _, _ = torch_graph
     assert _get_attr(program.module, "0.weight") is program.module[0].weight
@@ -236,7 +236,7 @@ def test_attr_inputs_walk_submodules_only(torch_graph):
 def test_routine_ops_read_back_refuse_to_lower(torch_graph):
     import amanda
     from amanda.errors import BackendError
-    from amanda.runtime.pytorch_graph import lower_to_graph_module
+    from amanda.runtime.pytorch.capture import lower_to_graph_module
 
     program, _, _ = torch_graph
 
@@ -265,7 +265,7 @@ _part = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_part, min_size=1, max_size=5).map(".".join))
 def test_generated_names_never_resolve_outside_the_table(torch_graph, name):
-    from amanda.frontends.pytorch_targets import RESOLVER, is_allowed
+    from amanda.frontends.pytorch.targets import RESOLVER, is_allowed
 
     try:
         obj = RESOLVER.resolve(name)

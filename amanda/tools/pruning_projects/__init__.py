@@ -15,7 +15,7 @@ One module per project, each written from the published algorithm:
 The small workloads (VGG-, SqueezeNet- and ResNet-style CNNs; tiny
 random-init BERT-family configs) are the model zoo :mod:`amanda.pruning_models`,
 re-exported as :mod:`.models`; the PyTorch-only projects' torch code is in
-``amanda/runtime/pytorch_pruning_*.py``. The baselines written the way the
+``amanda/runtime/pytorch/pruning_*.py``. The baselines written the way the
 original projects are written live in ``benchmarks/pruning_baselines/``. See
 ``docs/tools/pruning-projects.md``. Importing this package imports no framework.
 """

@@ -1,6 +1,6 @@
 """Dynamic activation pruning, as an amanda tool (PyTorch only: its routines
 build torch masks, with ``activation_mask`` of
-:mod:`amanda.runtime.pytorch_pruning_activation`, reached through the PyTorch
+:mod:`amanda.runtime.pytorch.pruning_activation`, reached through the PyTorch
 tool-support module).
 
 Algorithm: every activation (the output of each ReLU) is sparsified per

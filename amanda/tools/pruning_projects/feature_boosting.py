@@ -2,7 +2,7 @@
 ICLR'19), as an amanda tool (PyTorch only: its saliency predictors are torch
 modules trained with the model: ``new_predictor``, ``fbs_saliency`` and the
 winner-take-all ``wta_gate`` are in
-:mod:`amanda.runtime.pytorch_pruning_feature_boosting`, reached through the
+:mod:`amanda.runtime.pytorch.pruning_feature_boosting`, reached through the
 PyTorch tool-support module).
 
 Algorithm: every convolution gets a small saliency predictor. For an input

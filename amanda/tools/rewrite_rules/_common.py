@@ -38,7 +38,7 @@ def _like(made, reference):
 
 
 # ---------------------------------------------------------------------------
-# PyTorch graph capture (aten ops lifted by amanda.frontends.pytorch_graph)
+# PyTorch graph capture (aten ops lifted by amanda.frontends.pytorch.graph)
 # ---------------------------------------------------------------------------
 
 

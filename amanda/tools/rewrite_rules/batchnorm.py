@@ -17,7 +17,7 @@ from amanda.tools.rewrite_rules._common import (
 
 
 # ---------------------------------------------------------------------------
-# PyTorch graph capture (aten ops lifted by amanda.frontends.pytorch_graph)
+# PyTorch graph capture (aten ops lifted by amanda.frontends.pytorch.graph)
 # ---------------------------------------------------------------------------
 
 

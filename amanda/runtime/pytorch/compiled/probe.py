@@ -5,7 +5,7 @@ graph Dynamo hands amanda's backend, once, during one eager run of that graph
 on the real inputs of the call being compiled (`_Probe`), which leaves
 nothing behind (no autograd, copies of the inputs it may write, the random
 number generators put back). `_own_copy` makes the copy of Dynamo's graph
-module the routines go into. Split from `pytorch_compiled` (the callback and
+module the routines go into. Split from `compiled` (the callback and
 the calls); docs/pytorch-compiled.md, "Analysis sees real tensors".
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from amanda.context import OpContext
 from amanda.errors import BackendError
-from amanda.runtime.pytorch_compiled_graphs import NAMESPACE, CompiledGraphBackend, _tensor_args
+from amanda.runtime.pytorch.compiled.graphs import NAMESPACE, CompiledGraphBackend, _tensor_args
 
 __all__ = ["analyse"]
 
@@ -45,7 +45,7 @@ def analyse(lifted, session, gm, example_inputs):
     probe.start(example_inputs)
     try:
         # compiled graphs reach tools that want whole graphs or backward ops
-        # eagerly (`pytorch_compiled`), so the graph is no whole program here
+        # eagerly (`compiled`), so the graph is no whole program here
         with _disable_current_modes(), torch.no_grad():
             plan, _ = instrument_graph(lifted.graph, session, probe, name="compiled graph",
                                        whole=False)

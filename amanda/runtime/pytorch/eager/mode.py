@@ -17,16 +17,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from amanda.errors import NotInstrumentedWarning, user_stacklevel
-from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes
-from amanda.runtime.pytorch_records import (
+from amanda.runtime.pytorch.eager.backward import _install_backward, _walk_new_nodes
+from amanda.runtime.pytorch.eager.records import (
     _BACKWARD_LANE, _BEFORE_LANE, _OpRecord, _stable_id)
-from amanda.runtime.pytorch_routines import (
+from amanda.runtime.pytorch.eager.routines import (
     _analyse, _apply_actions, _check_replacement, _grad_enabled, _output_spec, _replace)
-from amanda.runtime.pytorch_segments import _drop_finished, _in_backward, _state
-from amanda.runtime.pytorch_sites import (
+from amanda.runtime.pytorch.eager.segments import _drop_finished, _in_backward, _state
+from amanda.runtime.pytorch.eager.sites import (
     _CODE_KIND, _CONTROLS, _FUNCS, _NOT_A_POINT, _SITE, _calling_site, _classify, _getframe,
     _sequence_nr, _Tensor)
-from amanda.runtime.pytorch_writes import (
+from amanda.runtime.pytorch.eager.writes import (
     _check_view_write, _mark_replaced_views, _mark_viewed, _swapped, _write_back,
     _write_into_modified, _writes_in_place, _writes_of)
 from amanda.runtime.routines import select

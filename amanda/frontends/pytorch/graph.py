@@ -1,6 +1,6 @@
 """Lift PyTorch graph captures (``torch.export`` programs, ``torch.fx`` graphs) into the IR.
 
-    from amanda.frontends.pytorch_graph import lift_exported_program
+    from amanda.frontends.pytorch.graph import lift_exported_program
 
     ep = torch.export.export(model, (x,))
     ir = lift_exported_program(ep)
@@ -12,7 +12,7 @@ operator's name without namespace and overload (``conv2d``, ``batch_norm``,
 
 * ``target``: the qualified overload, ``"aten.conv2d.default"`` (or
   ``"operator.add"`` for a Python function), resolved again when lowering,
-  only within the table of `amanda.frontends.pytorch_targets` (a graph read
+  only within the table of `amanda.frontends.pytorch.targets` (a graph read
   from a file naming anything else is refused when it is read);
 * ``args`` / ``kwargs``: the call's arguments as JSON-able data in which the
   ``k``-th tensor input appears as ``{"$input": k}`` and dtypes, devices, memory
@@ -38,7 +38,7 @@ import operator
 import torch
 
 from amanda.errors import BackendError
-from amanda.frontends import pytorch_targets  # noqa: F401 - registers the table of call targets
+from amanda.frontends.pytorch import targets  # noqa: F401 - registers the table of call targets
 from amanda.ir import Graph, IRError
 from amanda.ir.targets import resolve_target as _resolve_in_table
 
@@ -59,7 +59,7 @@ def target_name(target):
 
     Native functions are named where users find them (``"torch.relu"``,
     ``"torch.Tensor.add"``), which is also how the table of call targets
-    (`amanda.frontends.pytorch_targets`) lists them.
+    (`amanda.frontends.pytorch.targets`) lists them.
     """
     if isinstance(target, torch._ops.OpOverload):
         namespace, name = target.name().split("::")
@@ -88,7 +88,7 @@ def op_type_of(target):
 
 
 def resolve_target(name, op=None):
-    """Inverts `target_name`, within the table of `amanda.frontends.pytorch_targets`.
+    """Inverts `target_name`, within the table of `amanda.frontends.pytorch.targets`.
 
     The name may come from a graph file, so it is never imported or walked
     freely: only the operators of the table resolve.

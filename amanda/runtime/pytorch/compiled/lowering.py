@@ -1,5 +1,5 @@
 """Compiled PyTorch: the recorded actions lowered into Dynamo's FX graph
-(`insert_actions`), for `amanda.runtime.pytorch_compiled`.
+(`insert_actions`), for `amanda.runtime.pytorch.compiled`.
 
 Python routines become calls of opaque ``torch.library`` custom ops
 (``amanda::observe``, side-effectful, used when every ``return`` of the
@@ -21,7 +21,7 @@ import torch.fx
 
 from amanda.context import Action
 from amanda.errors import BackendError
-from amanda.runtime.pytorch_compiled_graphs import NAMESPACE, _tensor_args, _value
+from amanda.runtime.pytorch.compiled.graphs import NAMESPACE, _tensor_args, _value
 from amanda.runtime.routines import call_routine
 
 _ROUTINES = []    # handle -> _Routine, for the custom ops

@@ -25,16 +25,16 @@ The code is split along its seams (see "How the runtime is organised"
 in ``docs/pytorch-eager.md``); this module is the entry point and re-exports
 the names other modules, tests and docs use:
 
-* :mod:`~amanda.runtime.pytorch_sites`: which calls are points, calling sites;
-* :mod:`~amanda.runtime.pytorch_records`: op records, the session cache,
+* :mod:`~amanda.runtime.pytorch.eager.sites`: which calls are points, calling sites;
+* :mod:`~amanda.runtime.pytorch.eager.records`: op records, the session cache,
   ``BackwardOp``, the straight-through function;
-* :mod:`~amanda.runtime.pytorch_segments`: per-thread state, checkpointed
+* :mod:`~amanda.runtime.pytorch.eager.segments`: per-thread state, checkpointed
   segments and their recomputation;
-* :mod:`~amanda.runtime.pytorch_mode`: the ``TorchFunctionMode`` (hot path),
+* :mod:`~amanda.runtime.pytorch.eager.mode`: the ``TorchFunctionMode`` (hot path),
   op ids and module paths, ``_run_op``;
-* :mod:`~amanda.runtime.pytorch_routines`: analysis, actions, ``replace_op``;
-* :mod:`~amanda.runtime.pytorch_backward`: the autograd walk and node hooks;
-* :mod:`~amanda.runtime.pytorch_driver`: ``DRIVER``, the global module hooks,
+* :mod:`~amanda.runtime.pytorch.eager.routines`: analysis, actions, ``replace_op``;
+* :mod:`~amanda.runtime.pytorch.eager.backward`: the autograd walk and node hooks;
+* :mod:`~amanda.runtime.pytorch.eager.driver`: ``DRIVER``, the global module hooks,
   the backward engine entry and ``torch.compile``.
 """
 
@@ -43,15 +43,15 @@ from __future__ import annotations
 # every name other modules, tests and docs read from here (the per-thread
 # state, the module hook, the export hooks, the straight-through function...)
 # is the object defined once in its module
-from amanda.runtime.pytorch_backward import _install_backward, _walk_new_nodes  # noqa: F401
-from amanda.runtime.pytorch_driver import (  # noqa: F401
+from amanda.runtime.pytorch.eager.backward import _install_backward, _walk_new_nodes  # noqa: F401
+from amanda.runtime.pytorch.eager.driver import (  # noqa: F401
     DRIVER, TorchEagerDriver, _module_post_hook, _module_pre_hook, evaluate)
-from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode, _module_path, _run_op  # noqa: F401
-from amanda.runtime.pytorch_records import (  # noqa: F401
+from amanda.runtime.pytorch.eager.mode import WRAPPER_MODULES, _Mode, _module_path, _run_op  # noqa: F401
+from amanda.runtime.pytorch.eager.records import (  # noqa: F401
     BackwardOp, _Cache, _OpRecord, _stable_id, _StraightThrough, resolve_straight_through)
-from amanda.runtime.pytorch_routines import EXPORTING  # noqa: F401
-from amanda.runtime.pytorch_segments import _checkpoint_role, _Segment, _state, _tls  # noqa: F401
-from amanda.runtime.pytorch_sites import _FUNCS, _QUERIES, NAMESPACE  # noqa: F401
+from amanda.runtime.pytorch.eager.routines import EXPORTING  # noqa: F401
+from amanda.runtime.pytorch.eager.segments import _checkpoint_role, _Segment, _state, _tls  # noqa: F401
+from amanda.runtime.pytorch.eager.sites import _FUNCS, _QUERIES, NAMESPACE  # noqa: F401
 
 __all__ = ["DRIVER", "EXPORTING", "NAMESPACE", "WRAPPER_MODULES", "BackwardOp",
            "TorchEagerDriver", "evaluate", "resolve_straight_through"]

@@ -1,5 +1,5 @@
 """Dynamo's FX graphs lifted into the amanda IR, for the compiled path
-(`amanda.runtime.pytorch_compiled`): which FX nodes are instrumentation
+(`amanda.runtime.pytorch.compiled`): which FX nodes are instrumentation
 points, and the op ids, module paths and call sites eager PyTorch would give
 them; and whether the code Dynamo made for a frame runs anything outside its
 graphs (`_outside_graphs`).
@@ -19,7 +19,7 @@ import torch.fx
 
 from amanda.ir import Graph
 from amanda.passes.instrumentation import GraphBackend
-from amanda.runtime.pytorch_compiled_sites import MACHINERY, META_KEY
+from amanda.runtime.pytorch.compiled.sites import MACHINERY, META_KEY
 
 NAMESPACE = "pytorch/" + torch.__version__.split("+")[0] + "/compiled"
 
@@ -27,7 +27,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _MODULE_FILE = os.path.join(_LAYER_DIR, "module.py")
 #: per-thread state of the compiled call in progress (owner and code of the
-#: frame Dynamo compiles, graph breaks seen...), shared with pytorch_compiled
+#: frame Dynamo compiles, graph breaks seen...), shared with compiled/__init__.py
 _tls = threading.local()
 
 
@@ -58,7 +58,7 @@ def _raw_op(node):
     if target is getattr:
         return _property_read(node)
     if getattr(target, "__module__", None) in ("_operator", "operator"):
-        from amanda.runtime.pytorch_compiled_sites import eager_callable
+        from amanda.runtime.pytorch.compiled.sites import eager_callable
         raw = eager_callable(target, node.args, _value)
         if raw is None:    # not runnable on meta tensors: the method of the same name
             name = target.__name__.strip("_")
@@ -74,7 +74,7 @@ def _property_read(node):
     property for the view properties (``real``, ``imag``, ``T``, ``mT``...),
     no point for the others (``__get__`` is a query). FNet's ``x.real`` was
     named ``getattr``, with another id than eager's."""
-    from amanda.runtime.pytorch_sites import _TENSOR_PROPERTIES
+    from amanda.runtime.pytorch.eager.sites import _TENSOR_PROPERTIES
     name = node.args[1] if len(node.args) > 1 else None
     descriptor = getattr(torch.Tensor, name, None) if isinstance(name, str) else None
     if descriptor is None or not hasattr(descriptor, "__get__"):
@@ -130,7 +130,7 @@ def _module_path(node, root):
     ``node``; ``root`` is (path, class[, source, module]) for nodes Dynamo
     gives no module stack.
 
-    **Rule:** a module's path is the one eager's `pytorch_mode._module_path`
+    **Rule:** a module's path is the one eager's `eager.mode._module_path`
     gives the chain of modules being called: the root module, then each
     module of Dynamo's stack, found as objects from their sources among the
     compiled frame's locals and globals (``L['self'].layers[0]``); the root
@@ -169,7 +169,7 @@ def _resolved(entries, module):
     a compiled function, whose root is the first entry), from the module
     objects their sources name in the frame Dynamo compiles; None when a
     source does not resolve to a module."""
-    from amanda.runtime.pytorch_mode import _module_path as eager_path
+    from amanda.runtime.pytorch.eager.mode import _module_path as eager_path
     scope = getattr(_tls, "scope", None)
     if not scope:
         return None
@@ -305,7 +305,7 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
     Returns:
         A `LiftedGraph`.
     """
-    from amanda.frontends.pytorch_graph import tensor_attrs
+    from amanda.frontends.pytorch.graph import tensor_attrs
 
     reason = _unliftable(gm)
     if reason is not None:

@@ -1,7 +1,7 @@
 """PyTorch graph mode: capture a model once, instrument or rewrite its graph, run it many times.
 
     import amanda
-    from amanda.runtime.pytorch_graph import capture
+    from amanda.runtime.pytorch.capture import capture
 
     program = capture(model, (x,))          # torch.export -> amanda IR
     y = program(x)                          # runs the lowered GraphModule
@@ -11,7 +11,7 @@
 
 `capture` exports the model with ``torch.export`` (the training IR: aten ops such as
 ``conv2d``, ``batch_norm``, ``linear``; nothing decomposed), lifts the graph with
-`amanda.frontends.pytorch_graph` and lowers it back to a ``torch.fx.GraphModule``
+`amanda.frontends.pytorch.graph` and lowers it back to a ``torch.fx.GraphModule``
 with `lower_to_graph_module`. The program reads the model's own parameters and
 buffers on every call, so gradients reach them through ordinary autograd over
 the lowered forward graph (``loss.backward()`` after a call), training-mode
@@ -42,8 +42,8 @@ import torch.utils._pytree as pytree
 
 from amanda import controls
 from amanda.errors import BackendError
-from amanda.frontends.pytorch_graph import NAMESPACE, decode_args, lift_exported_program, resolve_target
-from amanda.frontends.pytorch_targets import check_attr_path
+from amanda.frontends.pytorch.graph import NAMESPACE, decode_args, lift_exported_program, resolve_target
+from amanda.frontends.pytorch.targets import check_attr_path
 from amanda.passes.instrumentation import GraphBackend
 from amanda.passes.lower_actions import ROUTINE
 from amanda.passes.pipeline import instrument_graph
@@ -278,7 +278,7 @@ class TorchGraphBackend(GraphBackend):
 
 
 def lower_to_graph_module(graph):
-    """Lowers an IR graph lifted by `amanda.frontends.pytorch_graph` back to a ``GraphModule``.
+    """Lowers an IR graph lifted by `amanda.frontends.pytorch.graph` back to a ``GraphModule``.
 
     Its placeholders are the IR graph's inputs in order; it returns a tuple of
     the IR graph's outputs. ``amanda.routine`` ops become calls of their routine.
@@ -314,7 +314,7 @@ def _lower_call(fx_graph, op, env):
     if target_name is None:
         raise BackendError(f"op {op.name!r} ({op.type}) has no 'target' attr: PyTorch graph ops need the "
                            "qualified operator, e.g. 'aten.mul.Tensor'")
-    target = resolve_target(target_name, op)  # only operators of the table, see pytorch_targets
+    target = resolve_target(target_name, op)  # only operators of the table, see frontends.pytorch.targets
     inputs = [env[id(t)] for t in op.inputs]
     args = tuple(decode_args(op.attrs.get("args", []), inputs))
     kwargs = decode_args(op.attrs.get("kwargs", {}), inputs)

@@ -6,9 +6,9 @@ PyTorch frontends encode a call's non-tensor arguments in IR attributes
 ``{"$input": position}``) are read here, so tools never decode them
 themselves. The PyTorch parts of the PyTorch-only pruning projects
 (:mod:`amanda.tools.pruning_projects`) are served from here too:
-``activation_mask`` (:mod:`amanda.runtime.pytorch_pruning_activation`),
+``activation_mask`` (:mod:`amanda.runtime.pytorch.pruning_activation`),
 ``new_predictor``, ``wta_gate`` and ``fbs_saliency``
-(:mod:`amanda.runtime.pytorch_pruning_feature_boosting`). Importing this
+(:mod:`amanda.runtime.pytorch.pruning_feature_boosting`). Importing this
 module does not import torch.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import io
 import sys
 
-from amanda.runtime.pytorch_pruning_activation import activation_mask
-from amanda.runtime.pytorch_pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
+from amanda.runtime.pytorch.pruning_activation import activation_mask
+from amanda.runtime.pytorch.pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
 
 __all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_mask",
            "as_tensor_like", "backward_flop_factor", "backward_flop_operands", "call_argument",

@@ -17,8 +17,8 @@ import torch.autograd.forward_ad as _fwad
 from amanda import controls
 from amanda.context import take_actions
 from amanda.errors import AmandaError, ToolError
-from amanda.runtime.pytorch_records import _is_tensor, _StraightThrough
-from amanda.runtime.pytorch_sites import _Tensor
+from amanda.runtime.pytorch.eager.records import _is_tensor, _StraightThrough
+from amanda.runtime.pytorch.eager.sites import _Tensor
 from amanda.runtime.routines import (
     call_routine, checked_result, invoke, routine_failed, select)
 

@@ -5,7 +5,7 @@ module hooks (``_module_pre_hook``/``_module_post_hook``: the stack of
 modules being called, steps, checkpointed segments) at the outermost
 ``apply`` scope, and removes them when it exits; meanwhile autograd's engine
 entry runs backward passes under the thread's mode, and ``torch.compile``'d
-code runs instrumented (:mod:`amanda.runtime.pytorch_compiled`) or eagerly.
+code runs instrumented (:mod:`amanda.runtime.pytorch.compiled`) or eagerly.
 Part of :mod:`amanda.runtime.pytorch`.
 """
 
@@ -22,16 +22,16 @@ import torch
 from torch.nn.modules import module as _torch_module
 
 from amanda.errors import NotBitExactWarning, NotInstrumentedWarning, user_stacklevel
-from amanda.runtime import pytorch_records as _records
 from amanda.runtime.driver import Driver
-from amanda.runtime.pytorch_backward import (
+from amanda.runtime.pytorch.eager import records as _records
+from amanda.runtime.pytorch.eager.backward import (
     install_quick_registration, remove_quick_registration)
-from amanda.runtime.pytorch_mode import WRAPPER_MODULES, _Mode
-from amanda.runtime.pytorch_records import _Cache, _StraightThrough
-from amanda.runtime.pytorch_routines import _grad_enabled
-from amanda.runtime.pytorch_segments import (
+from amanda.runtime.pytorch.eager.mode import WRAPPER_MODULES, _Mode
+from amanda.runtime.pytorch.eager.records import _Cache, _StraightThrough
+from amanda.runtime.pytorch.eager.routines import _grad_enabled
+from amanda.runtime.pytorch.eager.segments import (
     _FORWARD, _RECOMPUTE, _checkpoint_role, _drop_finished, _in_backward, _state, _tls)
-from amanda.runtime.pytorch_sites import _CONTROLS, _getframe
+from amanda.runtime.pytorch.eager.sites import _CONTROLS, _getframe
 
 
 _SCRIPT_MODULE = torch.jit.ScriptModule
@@ -437,7 +437,7 @@ def _restore_engine():
 # at the capture (``torch.cuda.graph``, ``make_graphed_callables``). Compiled
 # graphs do not meet this: amanda's routine ops are marked unsafe for CUDA
 # graphs, so ``mode="reduce-overhead"`` leaves them out of its graphs
-# (`pytorch_compiled_lowering`).
+# (`compiled.lowering`).
 _CAPTURE = {"original": None}
 
 
@@ -470,11 +470,11 @@ def _restore_graph_capture():
 # -- torch.compile ----------------------------------------------------------------
 
 # While amanda is applied, compiled callables run instrumented compiled graphs
-# (amanda.runtime.pytorch_compiled: Dynamo's callback is chosen per call and
+# (amanda.runtime.pytorch.compiled: Dynamo's callback is chosen per call and
 # session), or, for what that path cannot do, their Python code eagerly, so
 # every op is seen (Dynamo would otherwise trace the mode's handler or run
 # graphs in which no op is an instrumentation point). With
-# pytorch_compiled.ENABLED false, Dynamo's stance is force_eager for every
+# compiled.ENABLED false, Dynamo's stance is force_eager for every
 # call, as before; that stance is process-wide: another thread's compiled
 # code runs eagerly meanwhile too (the compiled path does the same).
 _COMPILE = {"prior": None, "filter": None}
@@ -493,7 +493,7 @@ def _compile_eagerly():
         return
     from torch._dynamo import eval_frame
 
-    from amanda.runtime import pytorch_compiled
+    from amanda.runtime.pytorch import compiled as pytorch_compiled
     WRAPPER_MODULES.add(eval_frame.OptimizedModule)
     warnings.filterwarnings("ignore", message=_HOOK_WARNING, category=UserWarning)
     _COMPILE["filter"] = warnings.filters[0]
@@ -511,7 +511,7 @@ def _restore_compile():
         warnings.filters.remove(entry)
         warnings._filters_mutated()
     if prior is _COMPILED_PATH:
-        from amanda.runtime import pytorch_compiled
+        from amanda.runtime.pytorch import compiled as pytorch_compiled
         pytorch_compiled.uninstall()
         _COMPILE["prior"] = None
     elif prior is not None:

@@ -1,6 +1,6 @@
 """Where an op of a compiled graph is called from, as eager PyTorch would say.
 
-Eager amanda identifies an op by the frame that calls it (`pytorch_sites._calling_site`:
+Eager amanda identifies an op by the frame that calls it (`eager.sites._calling_site`:
 the first frame outside torch's internals and amanda's runtime, never above
 the module call that runs it), the instruction in that frame, the innermost
 module and the op's callable. Dynamo's FX graphs carry only part of this:
@@ -26,7 +26,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amanda.runtime.pytorch_sites import _BOUNDARY, _MACHINERY, _SITE, _code_kind
+from amanda.runtime.pytorch.eager.sites import _BOUNDARY, _MACHINERY, _SITE, _code_kind
 
 #: ``node.meta["amanda_site"]`` of a call made by torch's checkpointing machinery
 MACHINERY = "machinery"

@@ -15,7 +15,7 @@ import hashlib
 import torch
 
 from amanda.context import OpContext
-from amanda.runtime.pytorch_sites import NAMESPACE, _Tensor
+from amanda.runtime.pytorch.eager.sites import NAMESPACE, _Tensor
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
 
 
@@ -168,7 +168,7 @@ class _OpRecord:
 
     def _lane(self):
         """Which short lane of the slow path the op takes while the cache is
-        on (`pytorch_mode._LANES`): only once its actions can no longer
+        on (`eager.mode._LANES`): only once its actions can no longer
         change what it does (pinned, analysed before and after), and it
         replaces nothing after it runs."""
         if not (self.pinned and self.pre_done and self.post_done) or self.after \

@@ -35,8 +35,8 @@ Python routines become calls of opaque ``torch.library`` custom ops
 (``amanda::observe``, side-effectful, and ``amanda::replace``, straight-through
 for autograd), so they cause no graph break; portable routines
 (`amanda.portable.routine`) are called inside the graph and traced by the
-compiler like model code (`pytorch_compiled_lowering`). Op ids and names are
-eager's: the sites are read while Dynamo traces (`pytorch_compiled_sites`).
+compiler like model code (`compiled.lowering`). Op ids and names are
+eager's: the sites are read while Dynamo traces (`compiled.sites`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import torch
 
 from amanda import controls
 from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
-from amanda.runtime import pytorch_compiled_sites as _sites
-from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
+from amanda.runtime.pytorch.compiled import sites as _sites
+from amanda.runtime.pytorch.compiled.graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
     _MODULE_FILE,
     _graph_breaks,
@@ -63,9 +63,9 @@ from amanda.runtime.pytorch_compiled_graphs import (  # noqa: F401 (re-exported)
     _outside_graphs,
     lift_dynamo_graph,
 )
-from amanda.runtime.pytorch_compiled_lowering import insert_actions, with_constants
-from amanda.runtime.pytorch_compiled_probe import _own_copy, analyse
-from amanda.runtime.pytorch_mode import _below_wrappers, _module_path
+from amanda.runtime.pytorch.compiled.lowering import insert_actions, with_constants
+from amanda.runtime.pytorch.compiled.probe import _own_copy, analyse
+from amanda.runtime.pytorch.eager.mode import _below_wrappers, _module_path
 
 __all__ = ["NAMESPACE", "InstrumentingBackend", "install", "insert_actions", "lift_dynamo_graph",
            "uninstall"]

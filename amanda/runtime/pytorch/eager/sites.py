@@ -71,7 +71,10 @@ _HANDLER = 5     # a user's ``__torch_dispatch__``: its calls implement an op or
 #: method (None: by torch's machinery)
 _IN_HANDLER = False
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+# amanda's runtime: all of ``amanda/runtime/`` (this file is in
+# ``runtime/pytorch/eager/``), the backend-free kernel included
+_RUNTIME_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LIBRARY_DIRS = (_TORCH_DIR, _RUNTIME_DIR + os.sep)
 # torch's own layers (nn.Conv2d.forward...) are sites, so an op inside a torch
 # layer is identified from within it, never by the line that called the model.
 _LAYER_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep

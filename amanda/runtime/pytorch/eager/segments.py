@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from amanda import controls
-from amanda.runtime.pytorch_sites import (
+from amanda.runtime.pytorch.eager.sites import (
     _BOUNDARY, _CODE_KIND, _MACHINERY, _MODULE_FILE, _Tensor, _code_kind)
 
 

@@ -17,10 +17,10 @@ import torch
 
 from amanda.context import OpContext
 from amanda.errors import ToolError
-from amanda.runtime import pytorch_records as _records
-from amanda.runtime.pytorch_records import BackwardOp, _is_straight_through
-from amanda.runtime.pytorch_routines import _analyse, _apply_actions, _invoke, _meta
-from amanda.runtime.pytorch_sites import _ACCUMULATE, _CONTROLS, NAMESPACE
+from amanda.runtime.pytorch.eager import records as _records
+from amanda.runtime.pytorch.eager.records import BackwardOp, _is_straight_through
+from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _invoke, _meta
+from amanda.runtime.pytorch.eager.sites import _ACCUMULATE, _CONTROLS, NAMESPACE
 from amanda.runtime.routines import check_replacements, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
 

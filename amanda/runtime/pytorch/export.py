@@ -38,7 +38,7 @@ import torch
 from amanda import controls
 from amanda.errors import AmandaError, BackendError, ToolError, describe
 from amanda.runtime import pytorch as _driver
-from amanda.runtime.pytorch_mode import recording_instrumented_trace
+from amanda.runtime.pytorch.eager.mode import recording_instrumented_trace
 from amanda.tool import Tool, apply, resolve_tools
 
 DEFAULT_OPSET = 17   # QuantizeLinear per channel needs 13; ORT 1.31 runs 17 everywhere

@@ -8,7 +8,7 @@ replacement of a tensor the op modified is written into it
 (`_write_into_modified`). What an op writes is read from its version
 counters, its name, and its ATen schema (`_writes_of`); writes through a view
 of a replacement are said (`_check_view_write`). Used by the slow path of
-:mod:`amanda.runtime.pytorch_mode`.
+:mod:`amanda.runtime.pytorch.eager.mode`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import warnings
 import torch
 
 from amanda.errors import NotBitExactWarning, user_stacklevel
-from amanda.runtime.pytorch_segments import _state
-from amanda.runtime.pytorch_sites import _Tensor
+from amanda.runtime.pytorch.eager.segments import _state
+from amanda.runtime.pytorch.eager.sites import _Tensor
 
 
 def _mark_viewed(swapped, result):

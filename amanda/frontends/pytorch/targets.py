@@ -187,7 +187,7 @@ class TorchTargets(TargetResolver):
                 hold a marker outside the dtypes, layouts, memory formats and
                 devices.
         """
-        from amanda.frontends.pytorch_graph import decode_args
+        from amanda.frontends.pytorch.graph import decode_args
 
         for tensor in graph.inputs:
             if tensor.attrs.get("kind") in ("parameter", "buffer", "attr"):
