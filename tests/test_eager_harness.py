@@ -352,7 +352,7 @@ def repair(before):
     c = controls.state
     c.disabled, c.cache, c.ad, c.sessions = False, True, False, []
     torch._C._set_grad_enabled(before["grad enabled"])
-    import amanda.runtime.pytorch as driver   # its per-thread state, if any
+    import amanda.runtime.pytorch.eager.segments as driver   # its per-thread state, if any
     if getattr(driver, "_tls", None) is not None and hasattr(driver._tls, "state"):
         del driver._tls.state
 

@@ -21,9 +21,14 @@ Nothing global is left behind: the mode is popped and the two global module
 hooks (which track the modules being called) are removed when the outermost
 ``apply`` scope exits.
 
-The code is split along its seams (see "How the runtime is organised"
-in ``docs/pytorch-eager.md``); this module is the entry point and re-exports
-the names other modules, tests and docs use:
+The backend's packages: ``eager/`` (the path above), ``compiled/``
+(``torch.compile``d models), ``capture`` (``torch.export`` graphs), ``export``
+(ONNX export of instrumented models), ``tools`` (facts the built-in tools ask
+of a backend), ``portable_ops`` and ``distributed``; the frontend is
+:mod:`amanda.frontends.pytorch`. This module declares the backend's
+descriptor (:data:`BACKEND`) and imports no framework: its parts load when
+first used. The eager path's modules (see "How the runtime is organised" in
+``docs/pytorch-eager.md``):
 
 * :mod:`~amanda.runtime.pytorch.eager.sites`: which calls are points, calling sites;
 * :mod:`~amanda.runtime.pytorch.eager.records`: op records, the session cache,
@@ -40,18 +45,38 @@ the names other modules, tests and docs use:
 
 from __future__ import annotations
 
-# every name other modules, tests and docs read from here (the per-thread
-# state, the module hook, the export hooks, the straight-through function...)
-# is the object defined once in its module
-from amanda.runtime.pytorch.eager.backward import _install_backward, _walk_new_nodes  # noqa: F401
-from amanda.runtime.pytorch.eager.driver import (  # noqa: F401
-    DRIVER, TorchEagerDriver, _module_post_hook, _module_pre_hook, evaluate)
-from amanda.runtime.pytorch.eager.mode import WRAPPER_MODULES, _Mode, _module_path, _run_op  # noqa: F401
-from amanda.runtime.pytorch.eager.records import (  # noqa: F401
-    BackwardOp, _Cache, _OpRecord, _stable_id, _StraightThrough, resolve_straight_through)
-from amanda.runtime.pytorch.eager.routines import EXPORTING  # noqa: F401
-from amanda.runtime.pytorch.eager.segments import _checkpoint_role, _Segment, _state, _tls  # noqa: F401
-from amanda.runtime.pytorch.eager.sites import _FUNCS, _QUERIES, NAMESPACE  # noqa: F401
+from amanda.runtime.backends import Backend, load, register
 
-__all__ = ["DRIVER", "EXPORTING", "NAMESPACE", "WRAPPER_MODULES", "BackwardOp",
-           "TorchEagerDriver", "evaluate", "resolve_straight_through"]
+BACKEND = register(Backend(
+    name="pytorch",
+    frameworks=("torch",),
+    value_modules=("torch",),
+    model_modules=("torch",),
+    driver="amanda.runtime.pytorch.eager.driver:DRIVER",
+    evaluate="amanda.runtime.pytorch.eager.driver:evaluate",
+    export="amanda.runtime.pytorch.export:export_torch",
+    tool_support="amanda.runtime.pytorch.tools",
+    portable_ops="amanda.runtime.pytorch.portable_ops",
+    target_provider="amanda.frontends.pytorch.targets",
+))
+
+#: the public names of the eager path, loaded (with torch) when first read
+_PUBLIC = {
+    "DRIVER": "amanda.runtime.pytorch.eager.driver",
+    "TorchEagerDriver": "amanda.runtime.pytorch.eager.driver",
+    "evaluate": "amanda.runtime.pytorch.eager.driver",
+    "EXPORTING": "amanda.runtime.pytorch.eager.routines",
+    "NAMESPACE": "amanda.runtime.pytorch.eager.sites",
+    "WRAPPER_MODULES": "amanda.runtime.pytorch.eager.mode",
+    "BackwardOp": "amanda.runtime.pytorch.eager.records",
+    "resolve_straight_through": "amanda.runtime.pytorch.eager.records",
+}
+
+__all__ = ["BACKEND", *_PUBLIC]
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(load(module), name)

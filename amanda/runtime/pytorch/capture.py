@@ -47,7 +47,7 @@ from amanda.frontends.pytorch.targets import check_attr_path
 from amanda.passes.instrumentation import GraphBackend
 from amanda.passes.lower_actions import ROUTINE
 from amanda.passes.pipeline import instrument_graph
-from amanda.runtime.pytorch import _StraightThrough
+from amanda.runtime.pytorch.eager.records import _StraightThrough
 from amanda.runtime.routines import call_routine
 
 __all__ = ["NAMESPACE", "CapturedProgram", "capture", "lower_to_graph_module"]

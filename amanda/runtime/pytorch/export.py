@@ -37,7 +37,8 @@ import torch
 
 from amanda import controls
 from amanda.errors import AmandaError, BackendError, ToolError, describe
-from amanda.runtime import pytorch as _driver
+from amanda.runtime.pytorch.eager import mode as _mode
+from amanda.runtime.pytorch.eager import routines as _routines
 from amanda.runtime.pytorch.eager.mode import recording_instrumented_trace
 from amanda.tool import Tool, apply, resolve_tools
 
@@ -88,10 +89,10 @@ class _Call(torch.nn.Module):
 
 # Module paths and op ids are named from below these wrappers, so a tool sees
 # the same paths and ids in an export as in an eager run.
-_driver.WRAPPER_MODULES.add(_Call)
+_mode.WRAPPER_MODULES.add(_Call)
 _traced_wrapper = getattr(getattr(torch.jit, "_trace", None), "ONNXTracedModule", None)
 if _traced_wrapper is not None:
-    _driver.WRAPPER_MODULES.add(_traced_wrapper)
+    _mode.WRAPPER_MODULES.add(_traced_wrapper)
 
 
 def export_torch(model, args, tools, *, f=None, kwargs=None, opset=None, input_names=None,
@@ -169,13 +170,13 @@ def _finish(proto, tools, ir_version, f):
 def _refusing_unportable():
     """Install the driver's export guard for this thread."""
     checked = {}
-    saved = _driver.EXPORTING.guard
-    _driver.EXPORTING.guard = lambda action, selected, where: _guard(action, selected, where,
+    saved = _routines.EXPORTING.guard
+    _routines.EXPORTING.guard = lambda action, selected, where: _guard(action, selected, where,
                                                                      checked)
     try:
         yield
     finally:
-        _driver.EXPORTING.guard = saved
+        _routines.EXPORTING.guard = saved
 
 
 @contextlib.contextmanager

@@ -124,7 +124,7 @@ def _pick_callback(callback):
     if call is not None:
         # a compiled call nested in one whose machinery is out: same choice as the outer call
         return call.choice(chosen)
-    from amanda.runtime import pytorch as eager
+    from amanda.runtime.pytorch.eager import segments as eager
     from amanda.tool import current_session
 
     st = getattr(eager._tls, "state", None)
@@ -315,7 +315,7 @@ class _Call:
         torch._C._pop_torch_function_stack()
         self.mode = st.mode
         hooks = torch.nn.modules.module
-        from amanda.runtime.pytorch import DRIVER
+        from amanda.runtime.pytorch.eager.driver import DRIVER
         ids = {handle.id for handle in DRIVER._handles}
         self.saved_hooks = []
         for table in (hooks._global_forward_pre_hooks, hooks._global_forward_hooks):
@@ -406,7 +406,7 @@ class _Call:
         has not read the hooks yet (it is calling ``torch.compiler.is_compiling``,
         ``refused``, which Dynamo skips) runs amanda's pre-hook itself: it is
         left alone, or its module would be on the stack twice."""
-        from amanda.runtime.pytorch import _module_pre_hook
+        from amanda.runtime.pytorch.eager.driver import _module_pre_hook
         calls = []
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename == __file__:

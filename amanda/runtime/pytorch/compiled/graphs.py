@@ -96,7 +96,7 @@ def _is_point(node):
         return False
     if node.target is operator.getitem and isinstance(_value(node.args[0]), (tuple, list)):
         return False           # an element of a tuple result: wiring, not an op
-    from amanda.runtime.pytorch import _QUERIES
+    from amanda.runtime.pytorch.eager.sites import _QUERIES
     return _raw_op(node)[1] not in _QUERIES
 
 
@@ -389,7 +389,7 @@ class _Ids:
         return (self._path(node), id(code), offset, raw)
 
     def of(self, node, raw, name):
-        from amanda.runtime.pytorch import _stable_id
+        from amanda.runtime.pytorch.eager.records import _stable_id
         site = node.meta.get(META_KEY)
         if site is None:
             raise NoSite(f"op {name!r} (fx node {node.name}) has no calling site")
