@@ -32,7 +32,7 @@ Every support module exposes:
   its op only through the tensors it hands back (ONNX).
 
 Backend-specific helpers (``pytorch_tools.call_arguments``,
-``onnx_tools.node_attribute``, ...) are documented in each module.
+``onnx.tools.node_attribute``, ...) are documented in each module.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = ["SUPPORT", "module_path_from_op", "support_for"]
 SUPPORT = {
     "pytorch": "amanda.runtime.pytorch_tools",
     "tensorflow": "amanda.runtime.tensorflow_tools",
-    "onnx": "amanda.runtime.onnx_tools",
+    "onnx": "amanda.runtime.onnx.tools",
 }
 
 _LOADED = {}   # backend -> its support module, once imported
@@ -74,7 +74,7 @@ def module_path_from_op(context):
       ``"dense_1/MatMul"``); for a backward context without a forward op,
       the backward op's name scope.
     - ONNX: the module path a PyTorch exporter encoded in the node name
-      (``onnx_tools.onnx_module_path``).
+      (``onnx.tools.onnx_module_path``).
 
     Args:
         context: an :class:`amanda.OpContext`, forward or backward.
