@@ -79,6 +79,10 @@ class RoutineNodes:
             traced = portable.trace(action.func, specs, kwargs=action.kwargs,
                                     name=describe(action.func))
         except AmandaError as exc:
+            if not _is_marked(action.func):
+                # an inferred verdict is amanda's guess, not the user's word:
+                # a routine it cannot trace on this model's types is hosted
+                raise NotNative(f"it cannot be traced here ({exc})") from exc
             raise _error(action, where, str(exc)) from exc
         outputs = list(traced.outputs)
         expected = len(op.outputs)
@@ -87,6 +91,9 @@ class RoutineNodes:
                 self._alias(tensor, self.name(source))
             return
         if len(outputs) != expected:
+            if not _is_marked(action.func):
+                raise NotNative(f"its trace returned {len(outputs)} values for {expected} "
+                                "tensors")
             raise _error(action, where, f"returned {len(outputs)} values for {expected} "
                          "tensors")
         PortableEmitter(self, op, where).emit(traced)
