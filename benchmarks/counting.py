@@ -290,7 +290,7 @@ def amanda_work_ms(data, tool, samples=21, number=20):
 
     import amanda
     from amanda import controls
-    from amanda.runtime.onnx_session import _instrumented
+    from amanda.runtime.onnx.session import _instrumented
     times = []
     for _ in range(samples):
         start = time.perf_counter()

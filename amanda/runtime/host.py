@@ -3,7 +3,7 @@
 A routine that does not lower to the backend's own ops (it is not
 portable) runs as a callback inside the run: TensorFlow's
 ``tf.numpy_function`` (:mod:`amanda.runtime.tensorflow_hosting`) and
-onnxruntime-extensions' custom ops (:mod:`amanda.runtime.onnx_host`). The
+onnxruntime-extensions' custom ops (:mod:`amanda.runtime.onnx.host`). The
 backend adapters do the plumbing (how arrays get in and out, how an error
 reaches the caller's thread); this module is what they share, on NumPy
 arrays (imports no framework):

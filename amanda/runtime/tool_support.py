@@ -4,11 +4,11 @@ Tools are written against canonical keys and the public API; where they must
 know something only a backend knows (where an op sits in the model, how a
 frontend encoded an op's arguments, which ONNX element types a hosted
 routine can receive), they ask the backend's *tool-support module* through
-:func:`support_for`. One module per backend, named in :data:`SUPPORT` and
-imported on first use, as :data:`amanda.runtime.EAGER_DRIVERS` are: a
-context of a backend only exists once its framework is loaded, and the
-support modules themselves import their framework only inside the functions
-that need it.
+:func:`support_for`. One module per backend, named by the ``tool_support``
+part of its descriptor (:mod:`amanda.runtime.backends`) and imported on
+first use: a context of a backend only exists once its framework is loaded,
+and the support modules themselves import their framework only inside the
+functions that need it.
 
 Every support module exposes:
 
@@ -32,23 +32,14 @@ Every support module exposes:
   its op only through the tensors it hands back (ONNX).
 
 Backend-specific helpers (``pytorch.tools.call_arguments``,
-``onnx_tools.node_attribute``, ...) are documented in each module.
+``onnx.tools.node_attribute``, ...) are documented in each module.
 """
 
 from __future__ import annotations
 
-from amanda.runtime import lazy_module
+from amanda.runtime import backends
 
-__all__ = ["SUPPORT", "module_path_from_op", "support_for"]
-
-#: backend (first part of a namespace) -> its tool-support module
-SUPPORT = {
-    "pytorch": "amanda.runtime.pytorch.tools",
-    "tensorflow": "amanda.runtime.tensorflow_tools",
-    "onnx": "amanda.runtime.onnx_tools",
-}
-
-_LOADED = {}   # backend -> its support module, once imported
+__all__ = ["module_path_from_op", "support_for"]
 
 
 def support_for(namespace):
@@ -61,7 +52,8 @@ def support_for(namespace):
     Returns:
         The module (imported on first use), or None.
     """
-    return lazy_module(SUPPORT, _LOADED, (namespace or "").split("/", 1)[0])
+    backend = backends.for_namespace(namespace)
+    return None if backend is None else backend.part("tool_support")
 
 
 def module_path_from_op(context):
@@ -74,7 +66,7 @@ def module_path_from_op(context):
       ``"dense_1/MatMul"``); for a backward context without a forward op,
       the backward op's name scope.
     - ONNX: the module path a PyTorch exporter encoded in the node name
-      (``onnx_tools.onnx_module_path``).
+      (``onnx.tools.onnx_module_path``).
 
     Args:
         context: an :class:`amanda.OpContext`, forward or backward.

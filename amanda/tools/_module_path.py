@@ -9,7 +9,7 @@ same module path in all of them. The rule is the backend's, applied by
 
 from __future__ import annotations
 
-from amanda.runtime.onnx_tools import onnx_module_path
+from amanda.runtime.onnx.tools import onnx_module_path
 
 __all__ = ["module_path_of", "onnx_module_path"]
 

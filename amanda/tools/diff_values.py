@@ -15,7 +15,7 @@ _ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx write
 
 
 def onnx_tensor_values(model, feeds, names=()):
-    """`amanda.runtime.onnx_tools.tensor_values` for this onnxruntime: a
+    """`amanda.runtime.onnx.tools.tensor_values` for this onnxruntime: a
     dict tensor name -> array of the model's outputs and ``names``."""
     return support_for("onnx").tensor_values(model, feeds, names, max_ir_version=_ORT_IR_VERSION)
 

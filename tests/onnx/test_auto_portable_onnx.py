@@ -226,3 +226,88 @@ def test_an_inferred_routine_that_cannot_lower_stays_hosted_without_a_warning():
     np.testing.assert_array_equal(got, np.minimum(2 * x, 0.5))
     with pytest.warns(UserWarning, match="runs as a Python callback.*absent"):
         amanda.instrument(model, Double(portable.routine(lambda x, low, top: (x * 2, low, top))))
+
+
+def _relu_with_symbolic_batch():
+    from onnx import TensorProto, helper
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+class BeforeRelu(amanda.Tool):
+    def __init__(self, routine, **kwargs):
+        super().__init__()
+        self.routine, self.kwargs = routine, kwargs
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        context.insert_before_op(self.routine, **self.kwargs)
+
+
+def test_a_routine_over_a_symbolic_batch_dimension_traces_into_nodes():
+    """``lambda h: h * 1.0`` before a Relu whose input is ``["n", 8]``: the
+    trace keeps the unknown size (it used to fail with "'NoneType' object
+    cannot be interpreted as an integer"), inferred or marked."""
+    model = _relu_with_symbolic_batch()
+    for routine in (lambda h: h * 1.0, portable.routine(lambda h: h * 2.0)):
+        instrumented = amanda.instrument(model, BeforeRelu(routine))
+        assert onnx_runtime.CALLBACK_DOMAIN not in {n.domain for n in instrumented.graph.node}
+        assert "Mul" in {n.op_type for n in instrumented.graph.node}
+        run = session(instrumented)
+        for batch in (1, 3):
+            x = np.random.default_rng(batch).standard_normal((batch, 8)).astype(np.float32)
+            want = np.maximum(routine(x), 0)
+            np.testing.assert_array_equal(run.run(None, {"x": x})[0], want)
+    x = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float32)
+    with amanda.apply(BeforeRelu(lambda h: h * 1.0)):
+        got = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, np.maximum(x, 0))
+    assert portable.trace(lambda a, b: a * b, [("float32", [None, 8]), ("float32", [1])]) \
+        .outputs[0].attrs["shape"] == [None, 8]
+
+
+class _Lazy:
+    """A scale computed on demand: NumPy defers ``array * scale`` to it, but it
+    has no value to bake into a traced routine."""
+
+    __array_ufunc__ = None
+
+    def numpy(self):
+        raise RuntimeError("not computed yet")
+
+    def __rmul__(self, other):
+        return other * np.float32(3)
+
+
+def scaled(h, scale):
+    return h * scale
+
+
+def test_an_inferred_routine_that_cannot_be_traced_stays_hosted():
+    """The verdict on ``scaled`` is inferred from its code; its keyword
+    argument cannot become a constant, so the trace fails: hosted (it used to
+    fail the session). Marked, the same routine is the user's error, and an
+    export cannot host it."""
+    from amanda.errors import BackendError
+    model = _relu_with_symbolic_batch()
+    assert portable.explain(scaled).how == "inferred"
+    x = np.random.default_rng(6).standard_normal((2, 8)).astype(np.float32)
+    instrumented = amanda.instrument(model, BeforeRelu(scaled, scale=_Lazy()))
+    assert onnx_runtime.CALLBACK_DOMAIN in {n.domain for n in instrumented.graph.node}
+    got = onnx_runtime.inference_session(instrumented).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, np.maximum(x * 3, 0))
+    with amanda.apply(BeforeRelu(scaled, scale=_Lazy())):
+        got = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, np.maximum(x * 3, 0))
+    with pytest.raises(BackendError, match="cannot be lowered to ONNX natively"):
+        onnx_runtime.export(model, BeforeRelu(scaled, scale=_Lazy()))
+    with pytest.raises(BackendError, match="no value to bake"):
+        amanda.instrument(model, BeforeRelu(portable.routine(lambda h, scale: h * scale),
+                                            scale=_Lazy()))

@@ -1,5 +1,5 @@
 """A tool applied to onnxruntime sessions is not kept by amanda once nobody
-holds it (amanda/runtime/onnx_host.py, ``owned_by``): its hosted callbacks
+holds it (amanda/runtime/onnx/host.py, ``owned_by``): its hosted callbacks
 live as long as its amanda session, which each InferenceSession amanda made
 keeps; a session kept after the tool is dropped still calls its routines."""
 
@@ -13,7 +13,7 @@ import amanda
 ort = pytest.importorskip("onnxruntime")
 
 from benchmarks.counting import onnx_export  # noqa: E402
-from amanda.runtime import onnx_host  # noqa: E402
+from amanda.runtime.onnx import host as onnx_host  # noqa: E402
 
 
 class _Counter(amanda.Tool):

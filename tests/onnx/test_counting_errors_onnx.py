@@ -1,5 +1,5 @@
 """Routines that receive no tensor, called after the run (``_FetchPlan``'s
-direct calls, amanda/runtime/onnx_observe.py): a counter's ``inputs=[]``.
+direct calls, amanda/runtime/onnx/observe.py): a counter's ``inputs=[]``.
 
 Checked: such a routine is called once per node in program order; one that
 raises in the middle of the loop is reported by ``session.run`` as the

@@ -25,7 +25,7 @@ import pytest
 import amanda
 from amanda import controls
 from amanda.runtime.onnx import hosted_observation
-from amanda.runtime.onnx_wire import initializer_views, write_model
+from amanda.runtime.onnx.wire import initializer_views, write_model
 from tests.onnx.conftest import TensorProto, helper, numpy_helper, onnx, ort, same  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,6 +204,7 @@ _MEASURE = textwrap.dedent("""
     import numpy as np, onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
     import amanda, amanda.runtime.onnx
+    amanda.runtime.onnx.DRIVER   # the package loads its modules on first use: load them before measuring
 
     def rss():
         with open("/proc/self/status") as status:

@@ -17,7 +17,7 @@ from onnxruntime.capi import _pybind_state as C
 
 import amanda
 import amanda.runtime.onnx
-from amanda.runtime.onnx_host import CHECKED_RUNS, run_methods
+from amanda.runtime.onnx.host import CHECKED_RUNS, run_methods
 
 RNG = np.random.default_rng(0)
 WEIGHT = RNG.standard_normal((4, 64)).astype(np.float32)

@@ -60,10 +60,10 @@ from __future__ import annotations
 import heapq
 
 from amanda.errors import BackendError
-from amanda.frontends.onnx_models import (  # noqa: F401 - re-exported
+from amanda.frontends.onnx.models import (  # noqa: F401 - re-exported
     _onnx, default_namespace, dtype_name, load_model, load_model_file)
-from amanda.frontends.onnx_proto import ProtoAttr, _text
-from amanda.frontends.onnx_weightless import weightless_copy
+from amanda.frontends.onnx.proto import ProtoAttr, _text
+from amanda.frontends.onnx.weightless import weightless_copy
 from amanda.ir import Graph
 from amanda.ir.attrs import iter_graphs
 

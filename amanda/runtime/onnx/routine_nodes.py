@@ -1,12 +1,12 @@
 """How an ``amanda.routine`` op is written into the ONNX graph.
 
-`RoutineNodes` is the part of :class:`amanda.runtime.onnx_lowering._Lowering`
+`RoutineNodes` is the part of :class:`amanda.runtime.onnx.lowering._Lowering`
 that writes routines (it uses the lowering's names, types and node
 helpers):
 
 * a portable routine (``amanda.portable``) is traced and emitted as ONNX
-  nodes (:mod:`amanda.runtime.onnx_portable`);
-* any other routine becomes host nodes (:mod:`amanda.runtime.onnx_host`):
+  nodes (:mod:`amanda.runtime.onnx.portable`);
+* any other routine becomes host nodes (:mod:`amanda.runtime.onnx.host`):
   ``AmandaPut`` per tensor, ``AmandaCall``, ``AmandaGet`` per result, on a
   token chain that keeps hosted routines in program order, also across the
   bodies of If/Loop/Scan. A routine that can only observe is a side branch:
@@ -21,9 +21,9 @@ import numpy as np
 from onnx import numpy_helper
 
 from amanda.errors import AmandaError, BackendError, ToolError, describe
-from amanda.runtime.onnx_host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLOT, _Callback,
+from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLOT, _Callback,
                                       _catalog, _register_callback)
-from amanda.runtime.onnx_portable import NotNative, PortableEmitter
+from amanda.runtime.onnx.portable import NotNative, PortableEmitter
 from amanda.runtime.routines import returns_only_none  # noqa: F401  (its home: shared with TF)
 
 
@@ -79,6 +79,10 @@ class RoutineNodes:
             traced = portable.trace(action.func, specs, kwargs=action.kwargs,
                                     name=describe(action.func))
         except AmandaError as exc:
+            if not _is_marked(action.func):
+                # an inferred verdict is amanda's guess, not the user's word:
+                # a routine it cannot trace on this model's types is hosted
+                raise NotNative(f"it cannot be traced here ({exc})") from exc
             raise _error(action, where, str(exc)) from exc
         outputs = list(traced.outputs)
         expected = len(op.outputs)
@@ -87,6 +91,9 @@ class RoutineNodes:
                 self._alias(tensor, self.name(source))
             return
         if len(outputs) != expected:
+            if not _is_marked(action.func):
+                raise NotNative(f"its trace returned {len(outputs)} values for {expected} "
+                                "tensors")
             raise _error(action, where, f"returned {len(outputs)} values for {expected} "
                          "tensors")
         PortableEmitter(self, op, where).emit(traced)

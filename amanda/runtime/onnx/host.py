@@ -5,7 +5,7 @@ A routine that does not lower to ONNX nodes runs as custom ops of
 nodes hand each tensor to Python, ``AmandaCall`` runs the routine (a
 `_Callback`: its result checks, its errors kept instead of crossing into
 onnxruntime), ``AmandaGet_<dtype>`` nodes hand its results back. The nodes
-are written by :mod:`amanda.runtime.onnx_routine_nodes`; this module is
+are written by :mod:`amanda.runtime.onnx.routine_nodes`; this module is
 their other side: the op catalog registered once per process, the hand-off
 along token chains (safe for concurrent runs of one session), the routine
 errors re-raised by the run that met them (`_checked_run`), `current_run`
@@ -243,7 +243,7 @@ class _Callback:
     Attributes:
         constants: ``{position in hosted: read-only array}`` for initializers
             an observe-only routine reads without an ``AmandaPut`` (set by
-            `amanda.runtime.onnx_observe._SideBranches`).
+            `amanda.runtime.onnx.observe._SideBranches`).
     """
 
     def __init__(self, action, where, count, hosted, out_dtypes, replacing, observe=False):

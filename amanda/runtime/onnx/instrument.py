@@ -6,7 +6,7 @@ routines may read tensor values with `evaluate` (initializers directly,
 other tensors by running the part of the original model they depend on,
 with `example_feeds`). `instrument_model` (``amanda.instrument``) and
 `export` are the graph-level ways in; the session driver
-(:mod:`amanda.runtime.onnx_session`) calls `_instrument` too.
+(:mod:`amanda.runtime.onnx.session`) calls `_instrument` too.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from onnx import helper
 from amanda import controls
 from amanda.errors import BackendError
 from amanda.frontends.onnx import lift, load_model
-from amanda.frontends.onnx_weightless import weightless_copy
+from amanda.frontends.onnx.weightless import weightless_copy
 from amanda.passes.instrumentation import GraphBackend
 from amanda.passes.manager import PassResult
 from amanda.passes.pipeline import instrument_graph
 from amanda.runtime import probe as _probe
 from amanda.runtime import swapped
-from amanda.runtime.onnx_bodies import _analyse_bodies, _bodies, _lower_bodies
-from amanda.runtime.onnx_host import _original_init
-from amanda.runtime.onnx_lowering import MAX_IR_VERSION, _Lowering, lower
-from amanda.runtime.onnx_portable import elem_type
+from amanda.runtime.onnx.bodies import _analyse_bodies, _bodies, _lower_bodies
+from amanda.runtime.onnx.host import _original_init
+from amanda.runtime.onnx.lowering import MAX_IR_VERSION, _Lowering, lower
+from amanda.runtime.onnx.portable import elem_type
 
 
 class OnnxGraphBackend(GraphBackend):

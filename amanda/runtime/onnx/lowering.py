@@ -3,7 +3,7 @@
 `_Lowering` writes the graph and its If/Loop/Scan bodies back as ONNX: the
 original nodes with their attributes, names, types and the model's metadata,
 graph outputs under the model's names. The routines in it are written by its
-`RoutineNodes` part (:mod:`amanda.runtime.onnx_routine_nodes`).
+`RoutineNodes` part (:mod:`amanda.runtime.onnx.routine_nodes`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from onnx import helper, numpy_helper
 from amanda.errors import BackendError
 from amanda.frontends.onnx import ProtoAttr
 from amanda.passes.lower_actions import ROUTINE
-from amanda.runtime.onnx_host import CALLBACK_DOMAIN
-from amanda.runtime.onnx_portable import elem_type
-from amanda.runtime.onnx_routine_nodes import RoutineNodes
+from amanda.runtime.onnx.host import CALLBACK_DOMAIN
+from amanda.runtime.onnx.portable import elem_type
+from amanda.runtime.onnx.routine_nodes import RoutineNodes
 
 #: Highest IR version onnxruntime 1.31 reads (onnx writes 14 by default).
 MAX_IR_VERSION = 13

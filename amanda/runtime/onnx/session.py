@@ -6,7 +6,7 @@ inside a scope and restores it when the last one leaves. The patched
 constructor instruments the model once per amanda session and model bytes
 (`_instrumented`, cached by SHA-256), then builds the session on what it
 needs: the user's bytes when nothing was recorded, the optimised model with
-observe-only side branches (:mod:`amanda.runtime.onnx_observe`), or the
+observe-only side branches (:mod:`amanda.runtime.onnx.observe`), or the
 instrumented model with routines in its dataflow.
 """
 
@@ -27,15 +27,15 @@ from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.driver import Driver
-from amanda.runtime.onnx_bodies import _bodies_host_routines
-from amanda.runtime.onnx_host import (_original_init, checked_session, owned_by, run_methods,
+from amanda.runtime.onnx.bodies import _bodies_host_routines
+from amanda.runtime.onnx.host import (_original_init, checked_session, owned_by, run_methods,
                                       session_options)
-from amanda.runtime.onnx_instrument import _instrument
-from amanda.runtime.onnx_lowering import lower
+from amanda.runtime.onnx.instrument import _instrument
+from amanda.runtime.onnx.lowering import lower
 from amanda.runtime.observation import fetch_budget
-from amanda.runtime.onnx_observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
+from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
-from amanda.runtime.onnx_wire import initializer_views, raw_size, viewable, write_model
+from amanda.runtime.onnx.wire import initializer_views, raw_size, viewable, write_model
 
 
 def _model_key(source, stat):
@@ -448,7 +448,7 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
                               **kwargs)
     self._amanda_made = True
     # the routines' callbacks live as long as the amanda session, which this
-    # InferenceSession keeps (onnx_host.owned_by)
+    # InferenceSession keeps (host.owned_by)
     self._amanda_owner = sessions[-1]
     with owned_by(sessions[-1]):
         _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,

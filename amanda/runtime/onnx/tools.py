@@ -16,7 +16,7 @@ __all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFL
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
-#: ``amanda.runtime.onnx_host._HOSTED_DTYPES`` (float16 and bfloat16 are
+#: ``amanda.runtime.onnx.host._HOSTED_DTYPES`` (float16 and bfloat16 are
 #: not supported by onnxruntime-extensions' Python ops). Kept as codes so
 #: that reading them loads neither onnx nor the extensions.
 HOSTED_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6,

@@ -25,14 +25,14 @@ from amanda.errors import AmandaError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
 from amanda.runtime.routines import _error, returns_only_none
-from amanda.runtime.onnx_bodies import (_bodies, _body_proto, _collect_proto_names,
+from amanda.runtime.onnx.bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
-from amanda.runtime.onnx_host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
+from amanda.runtime.onnx.host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
                                       _catalog, _register_callback, refused_run,
                                       run_methods)
-from amanda.runtime.onnx_lowering import _Lowering
-from amanda.runtime.onnx_wire import initializer_views
+from amanda.runtime.onnx.lowering import _Lowering
+from amanda.runtime.onnx.wire import initializer_views
 
 
 class _NotSide(Exception):
