@@ -33,6 +33,6 @@ __all__ = [
 def __getattr__(name):
     # Subpackages load on first access so `import amanda` stays light.
     if name in ("tools", "ir", "frontends", "passes", "runtime", "portable"):
-        import importlib
-        return importlib.import_module(f"amanda.{name}")
+        from amanda.runtime.backends import load
+        return load(f"amanda.{name}")
     raise AttributeError(f"module 'amanda' has no attribute {name!r}")

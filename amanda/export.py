@@ -7,14 +7,10 @@ first use so that importing amanda imports no framework.
 
 from __future__ import annotations
 
-import importlib
-
 from amanda.errors import BackendError
+from amanda.runtime import backends
 
 # top-level module of a class in the model's MRO -> (module, function)
-_EXPORTERS = {
-    "torch": ("amanda.runtime.pytorch.export", "export_torch"),
-}
 
 
 def export(model, args, *tools, f=None, kwargs=None, opset=None, input_names=None,
@@ -69,18 +65,17 @@ def export(model, args, *tools, f=None, kwargs=None, opset=None, input_names=Non
             exporter cannot express it.
         AmandaError: ``args``/``kwargs`` are not what export takes.
     """
-    entry = _exporter_for(model)
-    module, function = entry
-    exporter = getattr(importlib.import_module(module), function)
+    exporter = _exporter_for(model)
     return exporter(model, args, tools, f=f, kwargs=kwargs, opset=opset,
                     input_names=input_names, output_names=output_names,
                     dynamic_axes=dynamic_axes, ir_version=ir_version)
 
 
 def _exporter_for(model):
-    for cls in type(model).__mro__:
-        entry = _EXPORTERS.get(cls.__module__.split(".")[0])
-        if entry is not None:
-            return entry
-    raise BackendError(f"amanda.export cannot export a {type(model).__name__} "
-                       f"(supported: {', '.join(sorted(_EXPORTERS))} models)")
+    """The ``export`` part of the backend whose models ``model`` is one of."""
+    backend = backends.for_model(model)
+    if backend is None:
+        supported = [b.name for b in backends.all_backends() if b.export is not None]
+        raise BackendError(f"amanda.export cannot export a {type(model).__name__} "
+                           f"(supported: {', '.join(supported)} models)")
+    return backend.part("export")

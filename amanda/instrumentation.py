@@ -14,18 +14,10 @@ module the program's type comes from:
 
 from __future__ import annotations
 
-import importlib
-
 from amanda import controls
 from amanda.errors import BackendError
+from amanda.runtime import backends
 from amanda.tool import session_for
-
-# top-level module of the program's type -> (module, function(program, session))
-_INSTRUMENTERS = {
-    "amanda": ("amanda.instrumentation", "instrument_ir"),
-    "tensorflow": ("amanda.runtime.tensorflow", "instrument_graph"),
-    "onnx": ("amanda.runtime.onnx", "instrument_model"),
-}
 
 
 def instrument(program, *tools):
@@ -47,15 +39,21 @@ def instrument(program, *tools):
     if hasattr(program, "instrument") and callable(program.instrument):
         # programs that instrument themselves (a PyTorch CapturedProgram)
         return program.instrument(*tools)
-    kind = type(program).__module__.split(".")[0]
-    entry = _INSTRUMENTERS.get(kind)
-    if entry is None:
-        raise BackendError(f"amanda.instrument cannot instrument a {type(program).__name__} "
-                           f"(supported: {', '.join(sorted(_INSTRUMENTERS))} programs)")
-    module, function = entry
+    from amanda.ir import Graph
+    if isinstance(program, Graph):
+        instrumenter = instrument_ir
+    else:
+        backend = backends.for_program(program)
+        if backend is None:
+            supported = ["amanda.ir"] + [b.name for b in backends.all_backends()
+                                         if b.instrument is not None]
+            raise BackendError(f"amanda.instrument cannot instrument a "
+                               f"{type(program).__name__} (supported: "
+                               f"{', '.join(supported)} programs)")
+        instrumenter = backend.part("instrument")
     session = session_for(tools)
     with controls.muted():   # analysis calls are not instrumented
-        return getattr(importlib.import_module(module), function)(program, session)
+        return instrumenter(program, session)
 
 
 def instrument_ir(graph, session):

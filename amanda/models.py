@@ -33,10 +33,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
+
+from amanda.runtime import backends
 
 SEED = 0
 
@@ -278,10 +279,7 @@ def _load_python_factory(spec):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     module_name = "_amanda_user_model_" + os.path.splitext(os.path.basename(path))[0]
-    loader = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[module_name] = module
-    loader.loader.exec_module(module)
+    module = backends.load_source(module_name, path)
     factory = getattr(module, func, None)
     if not callable(factory):
         raise ModelSpecError(f"{path} has no callable {func!r}")
@@ -404,10 +402,7 @@ def _is_onnx(spec):
 
 def onnx_runtime_available():
     """Whether amanda's ONNX runtime (:mod:`amanda.runtime.onnx`) is installed."""
-    try:
-        return importlib.util.find_spec(_ONNX_RUNTIME) is not None
-    except ImportError:
-        return False
+    return backends.installed(_ONNX_RUNTIME)
 
 
 def _onnx_feeds(model):

@@ -49,7 +49,7 @@ import numpy as np
 
 from amanda.errors import AmandaError, describe
 from amanda.portable_infer import Verdict, explain, inference  # noqa: F401
-from amanda.runtime import lazy_module
+from amanda.runtime import backends
 
 NAMESPACE = "amanda/portable"
 _MARK = "__amanda_portable__"
@@ -104,20 +104,20 @@ def _backend(*values):
     return found
 
 
-#: framework (as `_backend` names it) -> the module running the vocabulary on
-#: its tensors; loaded when a value of that framework is first seen.
-FRAMEWORK_OPS = {
-    "torch": "amanda.runtime.pytorch.portable_ops",
-    "tensorflow": "amanda.runtime.tensorflow_portable_ops",
-}
-
-
-_LOADED_OPS = {}
-
-
 def _ops(kind):
-    """The framework's vocabulary module, or None (NumPy, traced values)."""
-    return lazy_module(FRAMEWORK_OPS, _LOADED_OPS, kind)
+    """The vocabulary module of the backend whose tensors ``kind`` names (a
+    top-level module, as `_backend` gives it: the descriptor's
+    ``portable_ops``), or None (NumPy, traced values)."""
+    backend = _OPS_BACKENDS.get(kind)
+    if backend is None:
+        backend = next((b for b in backends.all_backends()
+                        if kind in b.value_modules and b.portable_ops is not None), False)
+        if kind != "numpy" and kind != "sym":
+            _OPS_BACKENDS[kind] = backend
+    return backend.part("portable_ops") if backend else None
+
+
+_OPS_BACKENDS = {}   # kind -> its backend (False: none), found once
 
 
 def _like(value, reference):

@@ -35,6 +35,7 @@ import builtins
 import dis
 import inspect
 import logging
+import sys
 import types
 import weakref
 from typing import NamedTuple
@@ -110,7 +111,7 @@ def _constant_kind(value):
     portable = _portable()
     if value is portable:
         return MODULE
-    if value is __import__("amanda"):
+    if value is sys.modules["amanda"]:
         return PACKAGE
     if _is_vocab(value):
         return VOCAB
@@ -171,7 +172,7 @@ def _global_kind(func, name, depth, seen):
         value = getattr(builtins, name)
     else:
         raise _Refused(f"global {name!r} is not defined")
-    if value is builtins.abs or value is _portable() or value is __import__("amanda"):
+    if value is builtins.abs or value is _portable() or value is sys.modules["amanda"]:
         return _constant_kind(value) or VOCAB
     if _is_vocab(value):
         return VOCAB

@@ -401,12 +401,12 @@ def tf_counting(repeats, runs, warmup=2, size=224, build=None, model=None):
 
 
 def _crosses(dtype):
-    from amanda.runtime.tensorflow_hosting import _crosses_to_python
+    from amanda.runtime.tensorflow.hosting import _crosses_to_python
     return _crosses_to_python(dtype)
 
 
 def _nbytes(tensor):
-    from amanda.runtime.tensorflow_observe import _nbytes
+    from amanda.runtime.tensorflow.observe import _nbytes
     return _nbytes(tensor)
 
 

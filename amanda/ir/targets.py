@@ -10,9 +10,10 @@ it up in an explicit table of operators and refuses everything else.
 The IR imports no backend, so it holds only the registry. A backend registers
 its resolver for a namespace prefix (``"pytorch"`` covers
 ``"pytorch/2.13.0/graph"``) with `register_target_resolver`. The PyTorch table
-lives in `amanda.frontends.pytorch.targets`; `PROVIDERS` names it, so reading a
-PyTorch graph file loads it (and torch) on demand, the way the runtime loads a
-backend when first used.
+lives in `amanda.frontends.pytorch.targets`, which the backend's descriptor
+names (``target_provider``); reading a PyTorch graph file loads it (and torch)
+on demand through `provider_finder`, which the backend registry
+(`amanda.runtime.backends`) sets: the IR imports nothing above it.
 
 `graph_from_json` calls `check_targets` on every graph it reads: an op whose
 target is not in the table is refused there, when the file is read, with an
@@ -27,7 +28,6 @@ routine is never restored from a file). Ops of namespaces no backend resolves
 are left alone: nothing will ever call their targets.
 """
 
-import importlib
 import threading
 
 from .errors import IRError
@@ -36,9 +36,11 @@ from .errors import IRError
 #: cannot import passes). Their ``target`` attr is an op name, not a callable.
 ROUTINE = "amanda.routine"
 
-#: Namespace prefix -> module that registers that prefix's resolver on import.
-#: Only modules in this table are ever imported by the resolver registry.
-PROVIDERS = {"pytorch": "amanda.frontends.pytorch.targets"}
+#: ``provider_finder(namespace)`` loads the module that registers the
+#: resolver of ``namespace``'s backend, if it has one (raising ImportError
+#: when it cannot be loaded), and returns its name or None. Set by the backend
+#: registry; only the modules backends name as target providers are loaded.
+provider_finder = None
 
 _resolvers = {}
 _lock = threading.Lock()
@@ -88,7 +90,8 @@ def register_target_resolver(namespace, resolver):
 def resolver_for(namespace):
     """The resolver of ``namespace`` (the longest registered prefix), or None.
 
-    A namespace under a `PROVIDERS` prefix loads its provider module first.
+    A namespace whose backend names a target provider loads it first
+    (`provider_finder`).
 
     Raises:
         IRError: The provider module could not be imported (for PyTorch: torch
@@ -99,14 +102,15 @@ def resolver_for(namespace):
     found = _longest_prefix(_resolvers, namespace)
     if found is not None:
         return _resolvers[found]
-    provider = _longest_prefix(PROVIDERS, namespace)
-    if provider is None:
+    if provider_finder is None:
         return None
     try:
-        importlib.import_module(PROVIDERS[provider])
+        provider = provider_finder(namespace)
     except ImportError as error:
-        raise IRError(f"cannot check the call targets of namespace {namespace!r}: the table "
-                      f"{PROVIDERS[provider]} could not be loaded ({error})") from error
+        raise IRError(f"cannot check the call targets of namespace {namespace!r}: its table "
+                      f"could not be loaded ({error})") from error
+    if provider is None:
+        return None
     found = _longest_prefix(_resolvers, namespace)
     return _resolvers[found] if found is not None else None
 

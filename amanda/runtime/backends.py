@@ -12,7 +12,8 @@ Everything outside a backend's packages reaches it through this module:
 imported; ``evaluate`` and the portable vocabulary ask :func:`for_value`;
 ``amanda.instrument`` and ``amanda.export`` ask :func:`for_program` and
 :func:`for_model`; tools ask :func:`for_namespace` for their tool support;
-the IR asks for call-target resolvers through :func:`target_provider`.
+the IR loads call-target resolvers through :func:`load_target_provider`;
+and every module amanda imports by name goes through :func:`load`.
 
 Adding a backend is writing its packages and calling :func:`register` with
 its descriptor (see docs/architecture.md, "Adding a backend").
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import sys
 import threading
 
 from amanda.errors import BackendError
+from amanda.ir import targets as _targets
 
 __all__ = ["Backend", "active", "all_backends", "for_model", "for_namespace",
-           "for_program", "for_value", "get", "load", "register", "unregister"]
+           "for_program", "for_value", "get", "installed", "load", "load_source",
+           "load_target_provider", "register", "unregister"]
 
 #: Packages whose import registers a built-in backend. They import no
 #: framework: each declares its descriptor and loads its runtime lazily.
@@ -186,11 +190,37 @@ def for_model(model):
     return None
 
 
-def target_provider(namespace):
-    """The module name that registers ``namespace``'s call-target resolver, or None."""
+def load_target_provider(namespace):
+    """Load the module that registers the call-target resolver of
+    ``namespace``'s backend (:mod:`amanda.ir.targets` calls this as its
+    ``provider_finder``); returns its name, or None when the backend names none.
+
+    Raises:
+        ImportError: the module (or its framework) cannot be imported.
+    """
     backend = for_namespace(namespace)
-    provider = None if backend is None else backend.target_provider
-    return provider if isinstance(provider, str) else None
+    if backend is None or backend.target_provider is None:
+        return None
+    backend.part("target_provider")
+    return backend.target_provider
+
+
+def installed(module):
+    """Whether ``module`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def load_source(name, path):
+    """Import the Python file ``path`` as module ``name`` (registered in
+    ``sys.modules``, as ``python path`` would run it) and return the module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _register_builtins():
@@ -203,3 +233,6 @@ def _register_builtins():
         _builtins_done = True
         for package in BUILTIN:
             load(package)   # each registers its descriptor; no framework is imported
+
+
+_targets.provider_finder = load_target_provider

@@ -2,7 +2,7 @@
 
 A routine that does not lower to the backend's own ops (it is not
 portable) runs as a callback inside the run: TensorFlow's
-``tf.numpy_function`` (:mod:`amanda.runtime.tensorflow_hosting`) and
+``tf.numpy_function`` (:mod:`amanda.runtime.tensorflow.hosting`) and
 onnxruntime-extensions' custom ops (:mod:`amanda.runtime.onnx.host`). The
 backend adapters do the plumbing (how arrays get in and out, how an error
 reaches the caller's thread); this module is what they share, on NumPy
@@ -31,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from amanda import controls
-from amanda.errors import AmandaError, ToolError
-from amanda.runtime.routines import call_routine, check_replacements, invoke
+from amanda.errors import AmandaError
+from amanda.runtime.routines import call_routine, check_replacements, invoke, routine_error
 
 
 def is_array(value):
@@ -55,11 +55,8 @@ def meta(array):
     return tuple(array.shape), array.dtype
 
 
-def tool_error(action, where, message):
-    """A `ToolError` about ``action``'s routine at ``where`` (op name, op
-    id, namespace)."""
-    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
-                     routine=action.func, op_name=where[0], op_id=where[1], namespace=where[2])
+#: the `ToolError` about a routine (`amanda.runtime.routines.routine_error`)
+tool_error = routine_error
 
 
 def amanda_error(action, where, exc):

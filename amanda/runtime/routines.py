@@ -21,7 +21,7 @@ def select(values, positions, action, where):
     try:
         return [values[p] for p in positions]
     except IndexError:
-        raise _error(action, where, f"selects positions {list(positions)} but the op has "
+        raise routine_error(action, where, f"selects positions {list(positions)} but the op has "
                      f"{len(values)} such tensors") from None
 
 
@@ -39,7 +39,7 @@ def invoke(action, args, where):
 
 def routine_failed(action, where, exc):
     """The :class:`ToolError` for a routine that raised ``exc`` (chain it)."""
-    return _error(action, where, f"raised {type(exc).__name__}: {exc}")
+    return routine_error(action, where, f"raised {type(exc).__name__}: {exc}")
 
 
 def call_routine(action, selected, is_tensor, where, meta=None):
@@ -79,20 +79,20 @@ def checked_result(action, selected, result, is_tensor, where, meta=None):
                 return None   # handed back its inputs: nothing is replaced
     if is_tensor(result):
         if len(selected) != 1:
-            raise _error(action, where, f"returned one tensor but {len(selected)} tensors "
+            raise routine_error(action, where, f"returned one tensor but {len(selected)} tensors "
                          "were selected; return a sequence of that length or None")
         result = [result]
     elif isinstance(result, (tuple, list)):
         if len(result) != len(selected):
-            raise _error(action, where, f"returned {len(result)} values for "
+            raise routine_error(action, where, f"returned {len(result)} values for "
                          f"{len(selected)} selected tensors")
         for value in result:
             if value is not None and not is_tensor(value):
-                raise _error(action, where, "returned a sequence containing "
+                raise routine_error(action, where, "returned a sequence containing "
                              f"{type(value).__name__}; expected tensors or None")
         result = list(result)
     else:
-        raise _error(action, where, f"returned {type(result).__name__}; expected None, a "
+        raise routine_error(action, where, f"returned {type(result).__name__}; expected None, a "
                      "tensor or a sequence of tensors")
     if meta is not None:
         check_replacements(action, selected, result, meta, where)
@@ -113,16 +113,26 @@ def check_replacements(action, selected, replacements, meta, where, what="return
         if want is None:
             continue      # nothing to compare with (a missing gradient)
         if got != want:
-            raise _error(action, where, f"{what} a tensor of shape {list(got[0])} and dtype "
+            raise routine_error(action, where, f"{what} a tensor of shape {list(got[0])} and dtype "
                          f"{got[1]} at selected position {position}, replacing one of shape "
                          f"{list(want[0])} and dtype {want[1]}; a routine must keep the "
                          "shape and dtype of the tensor it replaces")
 
 
-def _error(action, where, message):
+def routine_error(action, where, message, what=None):
+    """The `ToolError` about ``action``'s routine at ``where`` (op name, op
+    id, namespace): the one place the runtime builds it, on every backend
+    and path, so every message names the tool, the routine and the op alike.
+
+    Args:
+        message: what the routine did wrong, after ``what``.
+        what: how the message begins (default: ``"instrumentation routine
+            (<kind>)"``).
+    """
     op_name, op_id, namespace = where
-    return ToolError(f"instrumentation routine ({action.kind}) {message}", tool=action.tool,
-                     routine=action.func, op_name=op_name, op_id=op_id, namespace=namespace)
+    what = f"instrumentation routine ({action.kind})" if what is None else what
+    return ToolError(f"{what} {message}", tool=action.tool, routine=action.func,
+                     op_name=op_name, op_id=op_id, namespace=namespace)
 
 
 def returns_only_none(func):

@@ -2,9 +2,9 @@
 
 
 def __getattr__(name):
-    import importlib
+    from amanda.runtime.backends import load
     try:
-        return importlib.import_module(f"amanda.tools.{name}")
+        return load(f"amanda.tools.{name}")
     except ModuleNotFoundError as exc:
         if exc.name == f"amanda.tools.{name}":
             raise AttributeError(f"module 'amanda.tools' has no attribute {name!r}") from None

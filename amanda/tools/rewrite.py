@@ -22,7 +22,7 @@ Rewriting works on any IR graph; to run the result, lower it back:
 * PyTorch graph capture: ``program.rewrite(rules)`` on a
   `amanda.runtime.pytorch.capture.CapturedProgram`;
 * TensorFlow: ``lower_to_graph_def(rewritten, base=tf_graph)``
-  (`amanda.runtime.tensorflow_graphdef`);
+  (`amanda.runtime.tensorflow.graphdef`);
 * ONNX: ``amanda.runtime.onnx.lower(rewritten)``.
 
 Example rules (per backend, since op vocabularies differ):

@@ -1,4 +1,4 @@
-"""The shadow's runs through session callables (`runtime/tensorflow_callables.py`)
+"""The shadow's runs through session callables (`runtime/tensorflow/callables.py`)
 answer exactly as ``Session.run``: same values, types and errors, results that
 never alias TensorFlow's buffers, checked by difference with a plain session."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import amanda
-from amanda.runtime import tensorflow_shadow
+from amanda.runtime.tensorflow import shadow as tensorflow_shadow
 
 tf = pytest.importorskip("tensorflow")
 v1 = tf.compat.v1
@@ -222,7 +222,7 @@ def test_a_step_known_to_fetch_large_tensors_never_goes_through_a_callable(shado
     bytes go through ``Session.run`` from the first run: a callable's
     results are copied, which would hold them twice. Where the shapes are
     not known, the first run measures them (through a callable)."""
-    from amanda.runtime import tensorflow_callables
+    from amanda.runtime.tensorflow import callables as tensorflow_callables
     made = []
     original = v1.Session._make_callable_from_options
 
@@ -255,7 +255,7 @@ def test_a_step_fetching_many_tensors_over_the_total_limit_never_copies_them(sha
                                                                            monkeypatch):
     """Many tensors under the mean limit but over ``COPY_TOTAL_LIMIT`` in
     all: copies held beside them would add their total to the run's peak."""
-    from amanda.runtime import tensorflow_callables
+    from amanda.runtime.tensorflow import callables as tensorflow_callables
     made = []
     original = v1.Session._make_callable_from_options
     monkeypatch.setattr(v1.Session, "_make_callable_from_options",

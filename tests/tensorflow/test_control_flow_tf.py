@@ -343,7 +343,7 @@ def test_evaluate_on_a_body_tensor_says_why_it_cannot():
 
 
 def test_a_body_that_cannot_be_rebuilt_runs_as_it_is_and_is_said(monkeypatch):
-    from amanda.runtime import tensorflow_body_rewrite   # where _BodyRewrite looks it up
+    from amanda.runtime.tensorflow import body_rewrite as tensorflow_body_rewrite   # where _BodyRewrite looks it up
 
     def fails(prefix, fdef, library):
         raise RuntimeError("no")

@@ -1,6 +1,6 @@
 """Observe-only routines that select no tensor (a counter's ``inputs=[]``,
 ``outputs=[]``) run after ``Session.run`` in program order, like the fetched
-observers (amanda/runtime/tensorflow_observe.py); routines recorded inside
+observers (amanda/runtime/tensorflow/observe.py); routines recorded inside
 ``hosted_observation()`` (the op profiler's timers) stay inside the run.
 
 Checked by difference: per run, every (op, point) is called as many times as

@@ -1,5 +1,5 @@
 """Fetched observers that receive no tensor (before-points of ops without
-inputs), called after ``Session.run`` (amanda/runtime/tensorflow_observe.py).
+inputs), called after ``Session.run`` (amanda/runtime/tensorflow/observe.py).
 
 Checked: they are called in program order with the other fetched routines,
 once per run; one raising in the middle of the loop is raised by

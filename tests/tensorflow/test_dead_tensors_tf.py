@@ -1,5 +1,5 @@
 """Hosted routines in graphs with v1 control flow, where a tensor on the
-branch a run does not take is dead (amanda/runtime/tensorflow_liveness.py).
+branch a run does not take is dead (amanda/runtime/tensorflow/liveness.py).
 
 By difference with a plain session: the fetched values are equal bit for
 bit, and a routine runs exactly when its op runs (the taken branch, once per

@@ -122,7 +122,7 @@ def test_onednn_kernels_are_named_even_with_both_rewrites_off(monkeypatch):
     differently when routines sit between ops: with it on, the warning is
     given and names TF_ENABLE_ONEDNN_OPTS even when Grappler's rewrites are
     off. These tests run with it off (conftest), where nothing is said."""
-    from amanda.runtime import tensorflow_warnings
+    from amanda.runtime.tensorflow import warnings as tensorflow_warnings
     assert tensorflow_warnings._onednn_enabled() is False     # conftest's setting
     monkeypatch.setattr(tensorflow_warnings, "_onednn_enabled", lambda: True)
     session, run, vanilla = _session(rewrites_off=True)

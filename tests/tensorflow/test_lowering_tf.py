@@ -1,5 +1,5 @@
 """The TF copy is lowered from the instrumented IR op by op
-(amanda/runtime/tensorflow_emit.py): every user op is created once, with the
+(amanda/runtime/tensorflow/emit.py): every user op is created once, with the
 inputs the IR gives it and all its control edges; no op is rewired or given
 an edge after it exists, except a v1 loop's ``Merge``, whose back edge is
 set when its ``NextIteration`` is built (as TensorFlow's ``while_loop``
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import amanda
 from amanda.runtime.observation import hosted_observation
 from amanda.runtime.tensorflow import current_rewrite
-from amanda.runtime.tensorflow_bodies import _STATEFUL_TWIN
+from amanda.runtime.tensorflow.bodies import _STATEFUL_TWIN
 
 tf = pytest.importorskip("tensorflow")
 

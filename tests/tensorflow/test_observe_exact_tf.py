@@ -3,7 +3,7 @@
 The hosted routines sit between ops; Grappler cannot see a shape through a
 callback unless the graph states it, and without shapes it rewrote
 MobileNetV2's gradient sums differently than in the plain graph (see
-``_shaped`` in amanda/runtime/tensorflow.py). Default Grappler options here.
+``_shaped`` in amanda/runtime/tensorflow/__init__.py). Default Grappler options here.
 """
 
 import numpy as np

@@ -1,5 +1,5 @@
 """Observe-only routines in ``Session.run`` graphs run after the run, on
-fetched tensors (amanda/runtime/tensorflow_observe.py), not as a callback
+fetched tensors (amanda/runtime/tensorflow/observe.py), not as a callback
 per op: checked by difference with the hosted path (`hosted_observation`),
 which runs the same routines inside the run.
 

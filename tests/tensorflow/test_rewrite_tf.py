@@ -15,7 +15,7 @@ tf = pytest.importorskip("tensorflow")
 from amanda.errors import BackendError
 from amanda.frontends.tensorflow import lift_graph
 from amanda.ir import Graph
-from amanda.runtime.tensorflow_graphdef import lower_to_graph_def
+from amanda.runtime.tensorflow.graphdef import lower_to_graph_def
 from amanda.tools import rewrite
 from amanda.tools.rewrite import explain, op
 

@@ -24,7 +24,7 @@ from amanda import controls
 from amanda.errors import AmandaError
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
-from amanda.runtime.routines import _error, returns_only_none
+from amanda.runtime.routines import returns_only_none, routine_error
 from amanda.runtime.onnx.bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
@@ -516,7 +516,7 @@ def _bound(func, args, kwargs):
 def _raised(callback, exc):
     """The ToolError for ``exc`` raised by ``callback``'s routine, as
     `amanda.runtime.routines.invoke` makes it."""
-    return _error(callback.action, callback.where, f"raised {type(exc).__name__}: {exc}")
+    return routine_error(callback.action, callback.where, f"raised {type(exc).__name__}: {exc}")
 
 
 def _read_only(value):

@@ -20,11 +20,11 @@ import warnings
 import numpy as np
 from onnx import numpy_helper
 
-from amanda.errors import AmandaError, BackendError, ToolError, describe
+from amanda.errors import AmandaError, BackendError, describe
 from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLOT, _Callback,
                                       _catalog, _register_callback)
 from amanda.runtime.onnx.portable import NotNative, PortableEmitter
-from amanda.runtime.routines import returns_only_none  # noqa: F401  (its home: shared with TF)
+from amanda.runtime.routines import returns_only_none, routine_error  # noqa: F401  (returns_only_none: its home is the kernel, shared with TF)
 
 
 class RoutineNodes:
@@ -276,7 +276,5 @@ def _is_marked(func):
 
 
 def _error(action, where, message):
-    op_type, op_id, namespace = where
-    return BackendError(str(ToolError(f"routine {describe(action.func)} ({action.kind}) "
-                                      f"{message}", tool=action.tool, routine=action.func,
-                                      op_name=op_type, op_id=op_id, namespace=namespace)))
+    return BackendError(str(routine_error(action, where, message,
+                                          what=f"routine {describe(action.func)} ({action.kind})")))

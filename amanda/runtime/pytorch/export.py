@@ -36,10 +36,11 @@ import onnx
 import torch
 
 from amanda import controls
-from amanda.errors import AmandaError, BackendError, ToolError, describe
+from amanda.errors import AmandaError, BackendError, describe
 from amanda.runtime.pytorch.eager import mode as _mode
 from amanda.runtime.pytorch.eager import routines as _routines
 from amanda.runtime.pytorch.eager.mode import recording_instrumented_trace
+from amanda.runtime.routines import routine_error
 from amanda.tool import Tool, apply, resolve_tools
 
 DEFAULT_OPSET = 17   # QuantizeLinear per channel needs 13; ORT 1.31 runs 17 everywhere
@@ -200,21 +201,18 @@ def _guard(action, selected, where, checked):
 
 def _check_portable(action, selected, where):
     from amanda import portable
-    op_name, op_id, namespace = where
+    what = f"{action.kind} routine"
     if not portable.is_portable(action.func):
-        raise ToolError(f"{action.kind} routine is not portable, so amanda.export cannot put "
-                        "it in the ONNX graph (it would run once while tracing and leave "
-                        "constants behind): write it with tensor operations and "
-                        "amanda.portable functions and mark it @amanda.portable.routine",
-                        tool=action.tool, routine=action.func, op_name=op_name,
-                        op_id=op_id, namespace=namespace)
+        raise routine_error(action, where, "is not portable, so amanda.export cannot put "
+                            "it in the ONNX graph (it would run once while tracing and leave "
+                            "constants behind): write it with tensor operations and "
+                            "amanda.portable functions and mark it @amanda.portable.routine",
+                            what=what)
     specs = [(str(t.dtype).replace("torch.", ""), list(t.shape)) for t in selected]
     try:
         portable.trace(action.func, specs, action.kwargs)
     except portable.PortableError as exc:
-        raise ToolError(f"{action.kind} routine cannot be exported: {exc}", tool=action.tool,
-                        routine=action.func, op_name=op_name, op_id=op_id,
-                        namespace=namespace) from exc
+        raise routine_error(action, where, f"cannot be exported: {exc}", what=what) from exc
 
 
 # -- arguments, names and outputs ----------------------------------------------

@@ -16,12 +16,11 @@ from collections import OrderedDict
 import torch
 
 from amanda.context import OpContext
-from amanda.errors import ToolError
 from amanda.runtime.pytorch.eager import records as _records
 from amanda.runtime.pytorch.eager.records import BackwardOp, _is_straight_through
 from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _invoke, _meta
 from amanda.runtime.pytorch.eager.sites import _ACCUMULATE, _CONTROLS, NAMESPACE
-from amanda.runtime.routines import check_replacements, select
+from amanda.runtime.routines import check_replacements, routine_error, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
 
 
@@ -229,10 +228,9 @@ def _backward_post(hooks, grad_inputs, grad_outputs):
                       where, meta=None)
         if new is not None:
             if len(new) != len(values):
-                raise ToolError(f"replace_backward_op routine returned {len(new)} gradients; "
-                                f"the backward op produces {len(values)}", tool=action.tool,
-                                routine=action.func, op_name=brec.name, op_id=brec.op_id,
-                                namespace=NAMESPACE)
+                raise routine_error(action, where, f"returned {len(new)} gradients; the "
+                                    f"backward op produces {len(values)}",
+                                    what="replace_backward_op routine")
             check_replacements(action, values, new, _meta, where)
             values, changed = new, True
     if brec.after and _apply_actions(brec.after, values, brec.where):

@@ -16,11 +16,11 @@ import torch.autograd.forward_ad as _fwad
 
 from amanda import controls
 from amanda.context import take_actions
-from amanda.errors import AmandaError, ToolError
+from amanda.errors import AmandaError
 from amanda.runtime.pytorch.eager.records import _is_tensor, _StraightThrough
 from amanda.runtime.pytorch.eager.sites import _Tensor
 from amanda.runtime.routines import (
-    call_routine, checked_result, invoke, routine_failed, select)
+    call_routine, checked_result, invoke, routine_error, routine_failed, select)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -182,14 +182,13 @@ def _strided_nested(action, where):
     (\"NestedTensorImpl doesn't support sizes\"), so a replacement of one that
     autodiff follows cannot be wired in straight-through: said, not left to
     torch's internal error."""
-    op_name, op_id, namespace = where
-    return ToolError(
-        "instrumentation routine replaced a nested tensor of the strided layout that "
+    return routine_error(
+        action, where,
+        "replaced a nested tensor of the strided layout that "
         "autodiff follows; PyTorch's autograd functions cannot take one, so its gradient "
         "cannot pass straight through (build it with layout=torch.jagged, or record the "
         "action inside amanda.ad_enabled() to differentiate the routine)",
-        tool=action.tool, routine=action.func, op_name=op_name, op_id=op_id,
-        namespace=namespace)
+        what="instrumentation routine")
 
 
 def _analyse(session, point, context, record):
@@ -228,10 +227,7 @@ def _check_replacement(action, result, spec, where):
     replaces: a tensor for a one-output op, a sequence of as many tensors for
     a multi-output op, each with the shape and dtype the op would give."""
     def fail(message):
-        op_name, op_id, namespace = where
-        return ToolError(f"replace_op routine {message}", tool=action.tool,
-                         routine=action.func, op_name=op_name, op_id=op_id,
-                         namespace=namespace)
+        return routine_error(action, where, message, what="replace_op routine")
     if isinstance(spec, tuple):               # one output
         if not isinstance(result, _Tensor):
             raise fail(f"returned {_describe_value(result)}; the op returns one tensor "

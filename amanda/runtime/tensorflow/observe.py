@@ -32,9 +32,9 @@ from amanda import controls, portable
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
 from amanda.errors import AmandaError
-from amanda.runtime.routines import _error, returns_only_none
-from amanda.runtime.tensorflow_bodies import _origin
-from amanda.runtime.tensorflow_hosting import _crosses_to_python, _read_only
+from amanda.runtime.routines import returns_only_none, routine_error
+from amanda.runtime.tensorflow.bodies import _origin
+from amanda.runtime.tensorflow.hosting import _crosses_to_python, _read_only
 
 #: v1 control flow: a tensor behind a Switch may be dead, and fetching a dead
 #: tensor fails the run
@@ -288,7 +288,7 @@ class _Observers:
                 except AmandaError:
                     raise
                 except Exception as exc:
-                    raise _error(record.action, record.where,
+                    raise routine_error(record.action, record.where,
                                  f"raised {type(exc).__name__}: {exc}") from exc
 
 

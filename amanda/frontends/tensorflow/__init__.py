@@ -37,7 +37,7 @@ from __future__ import annotations
 import base64
 import heapq
 
-from amanda.frontends.tensorflow_gradients import forward_op_of, gradient_owners, map_gradients
+from amanda.frontends.tensorflow.gradients import forward_op_of, gradient_owners, map_gradients
 from amanda.ir import Graph
 
 __all__ = [

@@ -11,12 +11,12 @@ from tensorflow.python.eager.polymorphic_function import concrete_function as _c
 
 from amanda import controls
 from amanda.errors import BackendError
-from amanda.runtime import tensorflow_eager
+from amanda.runtime.tensorflow import eager as tensorflow_eager
 from amanda.runtime.driver import Driver
-from amanda.runtime.tensorflow_functions import _patched_call_flat
-from amanda.runtime.tensorflow_probes import _hand_back, _original_call_flat, _original_run, _tls
-from amanda.runtime.tensorflow_rewrite import _GraphRewrite
-from amanda.runtime.tensorflow_shadow import _Shadow, _cached_per_session
+from amanda.runtime.tensorflow.functions import _patched_call_flat
+from amanda.runtime.tensorflow.probes import _hand_back, _original_call_flat, _original_run, _tls
+from amanda.runtime.tensorflow.rewrite import _GraphRewrite
+from amanda.runtime.tensorflow.shadow import _Shadow, _cached_per_session
 
 
 def _activate(shadow):

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from amanda.runtime.tensorflow_bodies import _origin
-from amanda.runtime.tensorflow_hosting import _kept_constant
-from amanda.runtime.tensorflow_probes import NAMESPACE
+from amanda.runtime.tensorflow.bodies import _origin
+from amanda.runtime.tensorflow.hosting import _kept_constant
+from amanda.runtime.tensorflow.probes import NAMESPACE
 
 _LOOP_BACK = frozenset({"NextIteration", "RefNextIteration"})
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import warnings
 
 from amanda.errors import NotBitExactWarning, NotInstrumentedWarning
-from amanda.runtime.tensorflow_bodies import _ops_in_bodies
-from amanda.runtime.tensorflow_hosting import _user_stacklevel
+from amanda.runtime.tensorflow.bodies import _ops_in_bodies
+from amanda.runtime.tensorflow.hosting import _user_stacklevel
 
 
 def _onednn_enabled():

@@ -16,7 +16,7 @@ import tensorflow as tf
 from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.ir import Graph
 from amanda.passes.lower_actions import ROUTINE
-from amanda.runtime.tensorflow_probes import _BodiesBackend
+from amanda.runtime.tensorflow.probes import _BodiesBackend
 
 
 # Ops of a function body that are its plumbing, not computation.
@@ -188,7 +188,7 @@ def _warn_xla_compiled(compiled):
     compiles and so were left as they are."""
     if not compiled:
         return
-    from amanda.runtime.tensorflow_hosting import _user_stacklevel
+    from amanda.runtime.tensorflow.hosting import _user_stacklevel
     listed = ", ".join(f"{call!r} ({func})" for call, func in compiled[:3])
     more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
     warnings.warn(

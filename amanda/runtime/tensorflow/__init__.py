@@ -31,21 +31,48 @@ operations, same collections.
 
 How it all fits together, and its limits, is in ``docs/tensorflow.md``.
 
-The work is in one module per seam (``tensorflow_probes``, ``tensorflow_hosting``,
-``tensorflow_bodies``, ``tensorflow_rewrite``, ``tensorflow_variables``,
-``tensorflow_shadow``, ``tensorflow_functions``, ``tensorflow_driver``); this
-entry module re-exports the names imported from it.
+The work is in one module per seam (``probes``, ``hosting``, ``bodies``,
+``rewrite``, ``emit``, ``variables``, ``shadow``, ``functions``, ``driver``,
+...); the frontend is :mod:`amanda.frontends.tensorflow`. This module
+declares the backend's descriptor (:data:`BACKEND`) and imports no
+framework: its public names load, with TensorFlow, when first read.
 """
 
 from __future__ import annotations
 
-# every public name that was importable from here before the split still is (the
-# runtime package loads ``DRIVER``, ``evaluate`` and ``instrument_graph`` from here)
-from amanda.runtime.tensorflow_driver import (  # noqa: F401
-    DRIVER, TensorFlowGraphDriver, instrument_graph)
-from amanda.runtime.tensorflow_probes import (  # noqa: F401
-    NAMESPACE, TFGraphBackend, current_session, evaluate)
-from amanda.runtime.observation import hosted_observation, observation_budget  # noqa: F401
-from amanda.runtime.tensorflow_shadow import current_rewrite  # noqa: F401
+from amanda.runtime.backends import Backend, load, register
 
-__all__ = ["NAMESPACE", "current_session", "evaluate"]
+BACKEND = register(Backend(
+    name="tensorflow",
+    frameworks=("tensorflow",),
+    value_modules=("tensorflow", "keras"),
+    program_modules=("tensorflow",),
+    driver="amanda.runtime.tensorflow.driver:DRIVER",
+    evaluate="amanda.runtime.tensorflow.probes:evaluate",
+    instrument="amanda.runtime.tensorflow.driver:instrument_graph",
+    tool_support="amanda.runtime.tensorflow.tools",
+    portable_ops="amanda.runtime.tensorflow.portable_ops",
+))
+
+#: public name -> the module defining it, loaded (with TensorFlow) when first read
+_PUBLIC = {
+    "DRIVER": "amanda.runtime.tensorflow.driver",
+    "TensorFlowGraphDriver": "amanda.runtime.tensorflow.driver",
+    "instrument_graph": "amanda.runtime.tensorflow.driver",
+    "NAMESPACE": "amanda.runtime.tensorflow.probes",
+    "TFGraphBackend": "amanda.runtime.tensorflow.probes",
+    "current_session": "amanda.runtime.tensorflow.probes",
+    "evaluate": "amanda.runtime.tensorflow.probes",
+    "current_rewrite": "amanda.runtime.tensorflow.shadow",
+    "hosted_observation": "amanda.runtime.observation",     # shared with ONNX
+    "observation_budget": "amanda.runtime.observation",
+}
+
+__all__ = ["BACKEND", "NAMESPACE", "current_session", "evaluate"]
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(load(module), name)

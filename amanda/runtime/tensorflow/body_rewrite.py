@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from amanda.runtime.tensorflow_bodies import _BodyProbe, _body_names, _prefixed_body
+from amanda.runtime.tensorflow.bodies import _BodyProbe, _body_names, _prefixed_body
 
 
 class _BodyRewrite:
@@ -30,7 +30,7 @@ class _BodyRewrite:
         self.original = fdef
         user, inputs, outputs = _prefixed_body(prefix, fdef, library)
         self.user = user
-        from amanda.runtime.tensorflow_rewrite import _GraphRewrite
+        from amanda.runtime.tensorflow.rewrite import _GraphRewrite
         self.rewrite = _GraphRewrite(user, amanda_session, FuncGraph(f"{prefix}/amanda"))
         self.rewrite.scope = prefix   # gradient ops mapped by their names in the function
         self.rewrite.gradient_of = gradient_of

@@ -2,14 +2,14 @@
 
 A tape names its ops after the *name scope* the forward op ran in, which
 several forward ops may share; `_GradientMapper` narrows the candidates
-(rules in `amanda.frontends.tensorflow_gradients.map_gradients`).
+(rules in `amanda.frontends.tensorflow.gradients.map_gradients`).
 """
 
 from __future__ import annotations
 
 import bisect
 
-from amanda.frontends.tensorflow_gradient_names import (
+from amanda.frontends.tensorflow.gradient_names import (
     _CALL_TYPES,
     _GRAD_YS,
     _NO_GRADIENT_TYPES,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
-from amanda.frontends.tensorflow_gradient_names import _inside_a_gradient_function, forward_op_of
-from amanda.frontends.tensorflow_tape import _GradientMapper
+from amanda.frontends.tensorflow.gradient_names import _inside_a_gradient_function, forward_op_of
+from amanda.frontends.tensorflow.tape import _GradientMapper
 
 __all__ = ["forward_op_of", "gradient_owners", "map_gradients"]
 

@@ -2,8 +2,8 @@
 ``GradientTape`` follow when they name the ops they build, and the op
 types that tell a gradient kernel or a backward function.
 
-Used by `amanda.frontends.tensorflow_gradients` (which owner each gradient
-op has) and `amanda.frontends.tensorflow_tape` (the tape's data-flow
+Used by `amanda.frontends.tensorflow.gradients` (which owner each gradient
+op has) and `amanda.frontends.tensorflow.tape` (the tape's data-flow
 rules).
 """
 

@@ -1,6 +1,6 @@
 """TensorFlow graph mode: the instrumented copy of a graph (`_GraphRewrite`),
-lowered from the instrumented IR op by op (`amanda.runtime.tensorflow_emit`);
-function bodies in it are `amanda.runtime.tensorflow_body_rewrite._BodyRewrite`.
+lowered from the instrumented IR op by op (`amanda.runtime.tensorflow.emit`);
+function bodies in it are `amanda.runtime.tensorflow.body_rewrite._BodyRewrite`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from amanda.errors import AmandaError, BackendError, NotInstrumentedWarning
 from amanda.passes.pipeline import instrument_graph as run_pipeline
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.routines import call_routine, returns_only_none
-from amanda.runtime.tensorflow_bodies import (_Library, _STATEFUL_TWIN,
+from amanda.runtime.tensorflow.bodies import (_Library, _STATEFUL_TWIN,
                                               _called_functions, _gradient_body,
                                               _origin, _warn_xla_compiled,
                                               _xla_compiled)
-from amanda.runtime.tensorflow_hosting import (_chosen, _crosses_to_python,
+from amanda.runtime.tensorflow.hosting import (_chosen, _crosses_to_python,
                                                _numpy_function, _observer, _replacer, _shaped,
                                                _tool_error, _user_stacklevel)
-from amanda.runtime.tensorflow_emit import (Emitter, _depends_on, _reads_variable, _Standing,
+from amanda.runtime.tensorflow.emit import (Emitter, _depends_on, _reads_variable, _Standing,
                                             keep_constant)
-from amanda.runtime.tensorflow_liveness import (bare_trigger, has_v1_control_flow, live_feed,
+from amanda.runtime.tensorflow.liveness import (bare_trigger, has_v1_control_flow, live_feed,
                                                 refuse_replacing)
-from amanda.runtime.tensorflow_observe import _Observers
-from amanda.runtime.tensorflow_probes import NAMESPACE, TFGraphBackend, _probing
-from amanda.runtime.tensorflow_warnings import warn_bodies, warn_inexact, warn_v1_bare
+from amanda.runtime.tensorflow.observe import _Observers
+from amanda.runtime.tensorflow.probes import NAMESPACE, TFGraphBackend, _probing
+from amanda.runtime.tensorflow.warnings import warn_bodies, warn_inexact, warn_v1_bare
 
 
 def _structural_constant(tensor):
@@ -165,7 +165,7 @@ class _GraphRewrite:
         Returns:
             The new FunctionDefs (nested ones included) for the library.
         """
-        from amanda.runtime.tensorflow_body_rewrite import _BodyRewrite
+        from amanda.runtime.tensorflow.body_rewrite import _BodyRewrite
         fdefs = {f.signature.name: f for f in library.function}
         functions = _Library(library)
         added = []
@@ -559,7 +559,7 @@ class _GraphRewrite:
 
     def _waits(self, name, node, data, controls):
         """The control edges the user's op ``name`` gets in the copy besides
-        its own (see `amanda.runtime.tensorflow_emit`)."""
+        its own (see `amanda.runtime.tensorflow.emit`)."""
         user_op = self.user_graph.get_operation_by_name(name)
         self._ensure(name, "before")
         waits = [] if user_op.type == "Placeholder" else list(self._bare_before.get(name, ()))

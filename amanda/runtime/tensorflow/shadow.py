@@ -15,12 +15,12 @@ from tensorflow.python.util import nest
 
 from amanda import controls
 from amanda.errors import BackendError, NotBitExactWarning, user_stacklevel
-from amanda.runtime.tensorflow_callables import _Callables
-from amanda.runtime.tensorflow_hosting import _surface
-from amanda.runtime.tensorflow_observe import _executed
-from amanda.runtime.tensorflow_probes import _SessionProbe, _original_run
-from amanda.runtime.tensorflow_rewrite import _GraphRewrite
-from amanda.runtime.tensorflow_variables import _VariableSync
+from amanda.runtime.tensorflow.callables import _Callables
+from amanda.runtime.tensorflow.hosting import _surface
+from amanda.runtime.tensorflow.observe import _executed
+from amanda.runtime.tensorflow.probes import _SessionProbe, _original_run
+from amanda.runtime.tensorflow.rewrite import _GraphRewrite
+from amanda.runtime.tensorflow.variables import _VariableSync
 
 
 class _Shadow:

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 
-from amanda.runtime.tensorflow_probes import _original_run
+from amanda.runtime.tensorflow.probes import _original_run
 
 _VARIABLE_OPS = ("VarHandleOp", "VariableV2", "Variable")
 # consumers of a variable's handle or reference that never write it

@@ -1,7 +1,7 @@
 """Lower an amanda IR graph (lifted from TensorFlow, possibly rewritten) back to a ``GraphDef``.
 
     from amanda.frontends.tensorflow import lift_graph
-    from amanda.runtime.tensorflow_graphdef import lower_to_graph_def
+    from amanda.runtime.tensorflow.graphdef import lower_to_graph_def
 
     ir = lift_graph(tf_graph)
     ...                                        # rewrite ir (amanda.tools.rewrite)

@@ -10,10 +10,10 @@ import tensorflow as tf
 
 from amanda import controls
 from amanda.errors import NotInstrumentedWarning
-from amanda.runtime.tensorflow_hosting import _surface
-from amanda.runtime.tensorflow_probes import _FunctionProbe, _original_call_flat, _tls
-from amanda.runtime.tensorflow_rewrite import _GraphRewrite
-from amanda.runtime.tensorflow_shadow import _EXACTNESS_REWRITES, _cached_per_session
+from amanda.runtime.tensorflow.hosting import _surface
+from amanda.runtime.tensorflow.probes import _FunctionProbe, _original_call_flat, _tls
+from amanda.runtime.tensorflow.rewrite import _GraphRewrite
+from amanda.runtime.tensorflow.shadow import _EXACTNESS_REWRITES, _cached_per_session
 
 
 def _function_rewrites():
@@ -60,7 +60,7 @@ class _FunctionCopy:
 def _by_edges(rewrite, elements, feeds):
     """The copy's callbacks in `_Observers.by_edges` that running
     ``elements`` with ``feeds`` fed executes, in name order."""
-    from amanda.runtime.tensorflow_observe import _executed
+    from amanda.runtime.tensorflow.observe import _executed
     executed = _executed(elements, frozenset(t.name for t in feeds))
     copy = rewrite.copy
     return [copy.get_operation_by_name(name)
@@ -91,7 +91,7 @@ def _xla_compiled_function(function):
 
 
 def _warn_xla_function(function, session):
-    from amanda.runtime.tensorflow_hosting import _user_stacklevel
+    from amanda.runtime.tensorflow.hosting import _user_stacklevel
     name = function.name.decode() if isinstance(function.name, bytes) else function.name
     warnings.warn(
         f"amanda (TensorFlow): {name!r} is compiled by XLA (jit_compile=True) and runs "

@@ -130,7 +130,7 @@ def bare_trigger(target, kind, v1_flow=True, gate=list):
         v1_flow: whether the graph has v1 control flow; without it every op
             runs in one frame, and a constant is the trigger.
         gate: ops -> what to hand ``tf.control_dependencies`` for them
-            (`amanda.runtime.tensorflow_emit.Emitter.gate`).
+            (`amanda.runtime.tensorflow.emit.Emitter.gate`).
 
     Returns:
         The routine's input (the routine is also a control input of a
