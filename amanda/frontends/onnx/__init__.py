@@ -220,7 +220,7 @@ def _subgraphs(node):
             yield attr.name, g
 
 
-def _free_variables(graph):
+def free_variables(graph):
     """Names a GraphProto reads but does not define (values of enclosing graphs)."""
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     defined |= {t.values.name for t in graph.sparse_initializer}
@@ -228,7 +228,7 @@ def _free_variables(graph):
     for node in graph.node:
         used.extend(node.input)
         for _, sub in _subgraphs(node):
-            used.extend(_free_variables(sub))
+            used.extend(free_variables(sub))
         defined.update(node.output)
     used.extend(o.name for o in graph.output)
     seen, free = set(), []
@@ -331,7 +331,7 @@ class _Lifter:
             reads = [(name, "") for name in node.input]
             for attr_name, sub in _subgraphs(node):
                 reads.extend((name, f" (in its subgraph {attr_name!r})")
-                             for name in _free_variables(sub))
+                             for name in free_variables(sub))
             node_needs = set()
             for name, where in reads:
                 if not name or scope.defines(name):

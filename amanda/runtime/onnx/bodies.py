@@ -99,7 +99,7 @@ def _node_needs(proto):
     positions of the nodes whose outputs node ``k`` reads, values its bodies
     read from this graph included. Bodies are sorted (`_sort_nodes`) on the
     way."""
-    from amanda.frontends.onnx import _free_variables
+    from amanda.frontends.onnx import free_variables
     nodes = list(proto.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
     needs = []
@@ -108,7 +108,7 @@ def _node_needs(proto):
         for attribute in node.attribute:
             for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 _sort_nodes(sub)
-                reads.update(_free_variables(sub))
+                reads.update(free_variables(sub))
         needs.append({j for j in map(producer.get, reads) if j is not None and j != k})
     return nodes, needs
 

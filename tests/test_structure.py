@@ -1,0 +1,157 @@
+"""The shape of the house, as rules a test holds (DESIGN.md section 5).
+
+* A backend is a unit: its code is in ``runtime/<backend>/`` and
+  ``frontends/<backend>/`` packages, never in flat ``<backend>_*.py`` modules.
+* No private name (``_x``) is imported across packages; a backend's package
+  with its sub-packages counts as one, the kernel (the modules directly in
+  ``runtime/``) as one, and the modules directly in ``amanda/`` as one.
+* No import cycle spans two packages (cycles inside one package are the
+  package's own business).
+* The runtime builds a ``ToolError`` about a routine in one place.
+
+Every rule is read from the syntax trees of the package's files, imports
+inside functions included.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "amanda"
+BACKENDS = ("pytorch", "tensorflow", "onnx")
+
+
+def _modules():
+    """``{dotted name: path}`` of every module of the package."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def package_of(module):
+    """The package a module belongs to for these rules."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] in ("runtime", "frontends") and parts[2] in BACKENDS:
+        return ".".join(parts[:3])
+    if len(parts) >= 2 and (PACKAGE / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return "amanda"
+
+
+def _imports(module, path):
+    """``(imported module, name or None, line)`` for every import of amanda's
+    own modules in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "amanda":
+                continue
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                if full in MODULES:
+                    yield full, None, node.lineno
+                else:
+                    yield target, alias.name, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "amanda":
+                    yield alias.name, None, node.lineno
+
+
+def test_backends_live_in_packages_only():
+    flat = [f"amanda/{place}/{path.name}" for place in ("runtime", "frontends")
+            for path in (PACKAGE / place).glob("*.py")
+            if path.stem.split("_")[0] in BACKENDS]
+    assert not flat, f"backend modules outside their package: {flat}"
+    for place in ("runtime", "frontends"):
+        for backend in BACKENDS:
+            assert (PACKAGE / place / backend / "__init__.py").is_file(), (place, backend)
+
+
+def test_no_private_name_is_imported_across_packages():
+    found = []
+    for module, path in MODULES.items():
+        for target, name, line in _imports(module, path):
+            if name is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            if package_of(target) != package_of(module):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {target}.{name}")
+    assert not found, "private names imported across packages:\n" + "\n".join(found)
+
+
+def _cycles():
+    edges = {module: set() for module in MODULES}
+    for module, path in MODULES.items():
+        for target, _, _ in _imports(module, path):
+            if target in MODULES and target != module:
+                edges[module].add(target)
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):       # Tarjan's strongly connected components, iteratively deep enough here
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for module in MODULES:
+        if module not in index:
+            visit(module)
+    return components
+
+
+def test_no_import_cycle_spans_packages():
+    spanning = [sorted(c) for c in _cycles() if len({package_of(m) for m in c}) > 1]
+    assert not spanning, f"import cycles across packages: {spanning}"
+
+
+def test_the_runtime_builds_tool_errors_in_one_place():
+    builders = []
+    for module, path in MODULES.items():
+        if not module.startswith("amanda.runtime"):
+            continue
+        tree = ast.parse(path.read_text())
+        builders += [f"{module}:{node.lineno}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ToolError"]
+    assert builders == [b for b in builders if b.startswith("amanda.runtime.routines:")], builders
+    assert len(builders) == 1, builders
+
+
+def test_the_rules_see_what_they_look_for():
+    # the scan resolves relative imports and names in packages
+    assert package_of("amanda.runtime.pytorch.eager.mode") == "amanda.runtime.pytorch"
+    assert package_of("amanda.runtime.host") == "amanda.runtime"
+    assert package_of("amanda.tool") == "amanda"
+    imports = list(_imports("amanda.runtime.pytorch.eager.mode",
+                            MODULES["amanda.runtime.pytorch.eager.mode"]))
+    assert any(t == "amanda.runtime.pytorch.eager.sites" for t, _, _ in imports)
+    assert _cycles(), "the IR's own modules import each other in a cycle: the scan must see it"
