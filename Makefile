@@ -25,8 +25,8 @@ demo: $(STAMP)
 # memory of the whole suite. The compiled real-model sweep runs in a process
 # of its own too, so that Dynamo's caches start empty for it
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --ignore=tests/tensorflow --ignore=tests/test_compiled_sweep.py
-	$(BIN)/python -m pytest -q tests/test_compiled_sweep.py
+	$(BIN)/python -m pytest -q --ignore=tests/tensorflow --ignore=tests/pytorch/test_compiled_sweep.py
+	$(BIN)/python -m pytest -q tests/pytorch/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/tensorflow
 
 bench: $(STAMP)

@@ -1,4 +1,8 @@
-"""Shared fixtures: environment, the tutorial's models, and seeded steps."""
+"""Shared fixtures: environment, the tutorial's models, and seeded steps.
+
+Imports no framework: the framework-free tests (``tests/ir``,
+``tests/passes``, the structure rules) run where none is installed; the
+folders of each backend skip themselves without it (their own conftest)."""
 
 import os
 
@@ -8,19 +12,19 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-torch = pytest.importorskip("torch")
-
-from tests.models import ConvNeuralNet, FunctionalReluNet  # noqa: E402
-
 
 @pytest.fixture
 def cnn():
+    torch = pytest.importorskip("torch")
+    from tests.models import ConvNeuralNet
     torch.manual_seed(0)
     return ConvNeuralNet(10)
 
 
 @pytest.fixture
 def functional_cnn():
+    torch = pytest.importorskip("torch")
+    from tests.models import FunctionalReluNet
     torch.manual_seed(0)
     return FunctionalReluNet(10)
 
@@ -30,7 +34,8 @@ def compiled_path_fresh_dynamo():
     """The compiled PyTorch path on (the default; set again in case a test
     changed it) between two ``torch._dynamo.reset()``: no compiled code or
     recompilation count carried from one test to the next. Used by the
-    tests/test_compiled_*.py files (``pytestmark``)."""
+    tests/pytorch/test_compiled_*.py files (``pytestmark``)."""
+    torch = pytest.importorskip("torch")
     from amanda.runtime.pytorch import compiled as pytorch_compiled
     saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True
     torch._dynamo.reset()

@@ -1,5 +1,5 @@
 """Random PyTorch eager programs for the differential harness
-(``tests/test_eager_harness.py``).
+(``tests/pytorch/test_eager_harness.py``).
 
 A hypothesis strategy (:func:`programs`) draws a *program spec*: a tree of
 ``nn.Module`` classes whose ``forward`` bodies are lists of statements, plus a

@@ -1,4 +1,4 @@
-"""Tiny real models for the real-model sweep (tests/test_model_sweep.py).
+"""Tiny real models for the real-model sweep (tests/pytorch/test_model_sweep.py).
 
 Every model is built from a small ``transformers`` configuration (2 layers,
 hidden size 32-64, vocabulary of 100, inputs of a few tokens / a 32x32 image /

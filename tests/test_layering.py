@@ -1,10 +1,10 @@
 """Layering: frameworks are imported only by the backend modules.
 
 Backend-specific code lives in ``amanda/frontends/`` and ``amanda/runtime/``
-(one module per backend); the CLI and the model zoos (``amanda/cli/``,
+(one package per backend); the CLI and the model zoos (``amanda/cli/``,
 ``amanda/models.py``, ``amanda/pruning_models.py``) load real models.
 Everything else, the tools included, reaches a backend through a registry keyed by namespace
-(:mod:`amanda.runtime.tool_support`), so this test walks every module's
+(:mod:`amanda.runtime.backends`), so this test walks every module's
 syntax tree, function bodies included, for imports of a framework.
 """
 
@@ -81,11 +81,11 @@ def test_the_scan_sees_imports_inside_functions(tmp_path):
 
 
 def test_every_backend_support_module_has_the_common_interface():
-    from amanda.runtime import tool_support
+    from amanda.runtime import backends, tool_support
     common = ("module_path_from_op", "MODULE_PATH_SEPARATOR", "is_whole_graph", "stable_op_id",
               "backward_flop_factor", "trainable_parameters", "is_weight_input",
               "ROUTINES_ORDERED_BY_DATAFLOW")
-    for backend in tool_support.SUPPORT:
+    for backend in [b.name for b in backends.all_backends()]:
         module = tool_support.support_for(backend)
         assert [name for name in common if not hasattr(module, name)] == [], backend
     assert tool_support.support_for("amanda/portable") is None
@@ -120,13 +120,3 @@ def test_tf_backward_context_without_forward_op_uses_the_gradient_op_scope():
     context = amanda.OpContext("tensorflow/2.0/graph", None, None, None, backward_op=grad,
                                backward_op_id=7)
     assert context.get_module_path() == "gradients/dense/MatMul_grad"
-
-
-#: The longest a module may be (issue 15: split files along their seams).
-MAX_LINES = 600
-
-
-def test_no_module_is_longer_than_the_limit():
-    long = {name: n for name, path in _modules()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+pytest.importorskip("torch")    # the README's tutorial runs PyTorch models
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 

@@ -1,7 +1,9 @@
 """Property-based tests of the IR invariants over random DAGs."""
 
+import importlib.util
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,6 +131,7 @@ def _refuse_removal(graph, data):
         assert snapshot(graph) == before
 
 
+@pytest.mark.skipif(importlib.util.find_spec("networkx") is None, reason="networkx is not installed")
 @FAST
 @given(graphs())
 def test_networkx_edges_match_op_fed_slots(graph):

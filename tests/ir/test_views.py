@@ -28,6 +28,7 @@ def dot_quoted(text):
 
 
 def test_to_networkx_nodes_and_edges():
+    pytest.importorskip("networkx")
     view = to_networkx(diamond())
     assert sorted(view.nodes) == ["a", "b", "c"]
     assert view.nodes["c"] == {"type": "add", "namespace": "onnx/21/graph", "attrs": {"k": [1]}}
@@ -40,6 +41,7 @@ def test_to_networkx_nodes_and_edges():
 
 
 def test_to_networkx_control_edges_are_optional():
+    pytest.importorskip("networkx")
     view = to_networkx(diamond(), control_edges=True)
     assert view.number_of_edges() == 5
     assert [d["kind"] for _, _, d in view.edges(data=True)].count("control") == 1

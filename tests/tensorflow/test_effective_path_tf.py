@@ -1,5 +1,5 @@
 """Effective path on TensorFlow graphs (tf.compat.v1, ``Session.run``): the
-Keras twins of the MLP and the small CNN of tests/test_effective_path.py,
+Keras twins of the MLP and the small CNN of tests/tools/test_effective_path.py,
 with the torch weights copied in, give the same neuron, synapse and input
 masks as the torch models, through the same rule table (TF's NHWC
 activations and HWIO/IO weights are moved to the canonical layouts).
@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import amanda
 from amanda.errors import ToolError
 from amanda.tools.effective_path import EffectivePathTool
-from tests.test_effective_path import extract, mlp, small_cnn
+from tests.tools.test_effective_path import extract, mlp, small_cnn
 
 THETAS = (0.3, 0.5, 1.0)
 layers = tf.keras.layers
@@ -461,7 +461,7 @@ def test_keras_mobilenet_v2_is_walked_end_to_end(mobilenet):
 # -- TF's own attributes against loops over neurons ------------------------------------
 
 def ref_select(contributions, theta):
-    from tests.test_effective_path import ref_select as select
+    from tests.tools.test_effective_path import ref_select as select
     return select(contributions, theta)
 
 

@@ -313,7 +313,7 @@ def test_class_path_similarity_separates_own_samples_from_noise(toy):
 
 # -- docs -----------------------------------------------------------------------------
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "effective-path.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tools" / "effective-path.md"
 
 
 def test_docs_example_runs():

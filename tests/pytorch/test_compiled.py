@@ -218,7 +218,7 @@ def test_replacing_routines(portable_routine):
 
 def test_backward_tools_fall_back_to_eager():
     """Backward points are not in compiled graphs yet: such tools run the model eagerly."""
-    from tests.test_eager_trust import Counter, mlp
+    from tests.pytorch.test_eager_trust import Counter, mlp
     model, x = mlp(), torch.rand(2, 8)
     backend = CompileCounter()
     compiled = torch.compile(model, backend=backend)

@@ -360,7 +360,7 @@ def test_importing_amanda_does_not_import_torch():
 
 
 def test_docs_example_runs():
-    docs = pathlib.Path(__file__).resolve().parent.parent / "docs" / "export.md"
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "export.md"
     blocks = re.findall(r"```python\n(.*?)```", docs.read_text(), re.S)
     assert blocks
     namespace = {"__name__": "__docs__"}

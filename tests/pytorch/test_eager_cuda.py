@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import amanda
-from tests.test_eager_features import Counter, Echo, same
+from tests.pytorch.test_eager_features import Counter, Echo, same
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

@@ -221,7 +221,7 @@ def test_exports(cnn, tmp_path):
 
 # -- docs ---------------------------------------------------------------------------------
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "graph-tracing.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tools" / "graph-tracing.md"
 
 
 def test_docs_example_runs(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import amanda  # noqa: E402
 from amanda import distributed  # noqa: E402
 from amanda.models import load  # noqa: E402
 from amanda.tools.flops import FlopsProfiler  # noqa: E402
-from tests.test_trace_viewer import check_perfetto_json  # noqa: E402
+from tests.tools.test_trace_viewer import check_perfetto_json  # noqa: E402
 
 
 def test_counts_are_summed_and_a_disagreeing_rank_is_loud():

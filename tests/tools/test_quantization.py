@@ -20,7 +20,7 @@ from amanda.tools.quantization import (
 )
 
 F = torch.nn.functional
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "quantization.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tools" / "quantization.md"
 
 
 # -- a NumPy reference written from the formulas ----------------------------------------

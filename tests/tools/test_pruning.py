@@ -26,7 +26,7 @@ from amanda.tools.mapping import MappingTool  # noqa: E402
 from amanda.tools.pruning import (Pruner, channel_mask, magnitude_mask, mask_grad,  # noqa: E402
                                   mask_weight, nm_mask)
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "pruning.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tools" / "pruning.md"
 F = torch.nn.functional
 
 

@@ -42,7 +42,7 @@ torch = pytest.importorskip("torch")
 import amanda  # noqa: E402
 from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
 from tests.sweep_models import CASES  # noqa: E402
-from tests.test_compiled_models import CountPoints, Identity, _same, _tensors  # noqa: E402
+from tests.pytorch.test_compiled_models import CountPoints, Identity, _same, _tensors  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py

@@ -1,7 +1,7 @@
 """PyTorch code as users write it, inside `amanda.apply`, compared by
 difference with the same code outside it (eager runtime).
 
-Each scenario is checked as in ``tests/test_eager_features.py`` (whose
+Each scenario is checked as in ``tests/pytorch/test_eager_features.py`` (whose
 harness this file reuses): identity routines at all four points, returning
 their tensors or clones of them, leave every result bit-identical; a
 counting tool's (op id, point) executions are the same on a cache hit and
@@ -27,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amanda
-from tests.test_eager_features import Counter, Echo, _run, grads, module_state, same, said
-from tests.test_eager_features import assert_cache_agrees, torch_state
+from tests.pytorch.test_eager_features import Counter, Echo, _run, grads, module_state, same, said
+from tests.pytorch.test_eager_features import assert_cache_agrees, torch_state
 
 
 # -- scenarios --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import amanda  # noqa: E402
 from amanda.tools.profiler import OpProfiler, _lanes, _module_spans  # noqa: E402
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "tools" / "profiler.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "tools" / "profiler.md"
 
 
 class ExecutionRecorder(amanda.Tool):

@@ -32,7 +32,7 @@ torch = pytest.importorskip("torch")
 import amanda  # noqa: E402
 from amanda import portable  # noqa: E402
 from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
-from tests.test_compiled_sweep import _new_fallbacks  # noqa: E402
+from tests.pytorch.test_compiled_sweep import _new_fallbacks  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py

@@ -730,7 +730,7 @@ KNOWN = {
     # multi_head_attention_forward then takes its separate-projection path
     # (rounding). Giving one tensor one replacement keeps the path but sums
     # the gradient terms of x * x in another order, which the generated
-    # programs of tests/test_eager_harness.py catch: distinct clones it is.
+    # programs of tests/pytorch/test_eager_harness.py catch: distinct clones it is.
     ("multihead_attention_train", True): "clones per position: another attention path",
     ("transformer_train", True): "clones per position: another attention path",
     ("inplace_views_and_data", True): VIEW,

@@ -3,7 +3,7 @@ variants, linalg/special/distributions, user ops, TorchScript functions,
 checkpointing with dropout, quantization, fusion, profiler, autograd graph
 hooks, global defaults and seeds changed inside ``apply`` (eager runtime).
 
-Compared by difference as in ``tests/test_eager_users.py`` (whose harness
+Compared by difference as in ``tests/pytorch/test_eager_users.py`` (whose harness
 this file reuses): identity routines at all four points leave every result
 bit-identical; a counting tool's (op id, point) executions are the same on a
 cache hit and under ``amanda.cache_disabled()``; torch's mode stack and the
@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_s
 from torch.utils.checkpoint import checkpoint
 
 import amanda
-from tests.test_eager_features import Counter, Echo, _run, assert_cache_agrees, grads, same, said
+from tests.pytorch.test_eager_features import Counter, Echo, _run, assert_cache_agrees, grads, same, said
 
 SCENARIOS = {}
 

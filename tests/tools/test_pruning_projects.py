@@ -289,5 +289,5 @@ def test_docs_examples_run():
 def test_docs_show_the_current_loc_table():
     import pathlib
     from benchmarks.pruning_projects import loc_table
-    page = pathlib.Path(__file__).resolve().parent.parent / "docs/tools/pruning-projects.md"
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs/tools/pruning-projects.md"
     assert loc_table() in page.read_text()
