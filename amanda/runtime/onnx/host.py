@@ -50,8 +50,46 @@ _original_init = ort.InferenceSession.__init__
 # (that costs ~0.4 s per million elements); other ops keep the default hook.
 
 
+_EXTENSIONS = "onnxruntime_extensions"
+_EXTENSIONS_LOCK = threading.Lock()
+
+
+def extensions():
+    """onnxruntime-extensions' Python-op module, ``onnxruntime_extensions._ocos``
+    (``PyCustomOpDef``, ``Opdef.declare`` = ``onnx_op``, ``get_library_path``,
+    the invocation hook): all amanda uses of the package.
+
+    The package's ``__init__`` also imports its model converters, which
+    import transformers and through it torch: 0.3 s and more, and a process
+    holding torch's objects pays for them in every full ``gc.collect()``.
+    Unless the package is imported already, ``_ocos`` is loaded under its
+    own name with the package's ``__init__`` not run (an empty package
+    module stands in for the span of that import) and the stand-in is taken
+    out of ``sys.modules`` again: a later ``import onnxruntime_extensions``
+    runs the real ``__init__``, which reuses this same ``_ocos`` (one op
+    table, one invocation hook)."""
+    import importlib
+    import importlib.util
+    import sys
+    name = f"{_EXTENSIONS}._ocos"
+    found = sys.modules.get(name)
+    if found is not None:
+        return found
+    with _EXTENSIONS_LOCK:
+        if _EXTENSIONS in sys.modules:
+            return importlib.import_module(name)
+        spec = importlib.util.find_spec(_EXTENSIONS)
+        if spec is None or not spec.submodule_search_locations:
+            return importlib.import_module(name)   # not installed: the ImportError it raises
+        sys.modules[_EXTENSIONS] = importlib.util.module_from_spec(spec)   # not executed
+        try:
+            return importlib.import_module(name)
+        finally:
+            del sys.modules[_EXTENSIONS]
+
+
 def _hosted_dtypes():
-    from onnxruntime_extensions import PyCustomOpDef as P
+    P = extensions().PyCustomOpDef
     # float16 and bfloat16 are not supported by the extensions' Python ops
     return {"float32": P.dt_float, "float64": P.dt_double, "int8": P.dt_int8,
             "int16": P.dt_int16, "int32": P.dt_int32, "int64": P.dt_int64, "uint8": P.dt_uint8,
@@ -159,7 +197,8 @@ def _catalog():
     with _LOCK:
         if _CATALOG:
             return
-        from onnxruntime_extensions import PyCustomOpDef, onnx_op
+        ocos = extensions()
+        PyCustomOpDef, onnx_op = ocos.PyCustomOpDef, ocos.Opdef.declare
         key = {"key": PyCustomOpDef.dt_string}
         token = PyCustomOpDef.dt_int64
         defs = [(onnx_op(op_type="AmandaCall", inputs=[token], outputs=[token], attrs=key)(_call),
@@ -176,9 +215,9 @@ def _catalog():
 
 def _install_hook():
     try:
-        from onnxruntime_extensions import PyCustomOpDef
-        from onnxruntime_extensions._ocos import _on_pyop_invocation
-    except ImportError:   # a layout we do not know: keep the default hook
+        ocos = extensions()
+        PyCustomOpDef, _on_pyop_invocation = ocos.PyCustomOpDef, ocos._on_pyop_invocation
+    except (ImportError, AttributeError):   # a layout we do not know: keep the default hook
         return
 
     def invoke(op_id, feed, attributes):
@@ -408,7 +447,7 @@ def session_options(options=None):
             into them once, and amanda keeps a reference to them), or None for
             amanda's shared default options.
     """
-    from onnxruntime_extensions import get_library_path
+    get_library_path = extensions().get_library_path
     _catalog()   # before any registration: the op table must not grow afterwards
     with _LOCK:
         if options is None:

@@ -28,8 +28,8 @@ from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx.bodies import _bodies_host_routines
-from amanda.runtime.onnx.host import (_original_init, checked_session, owned_by, run_methods,
-                                      session_options)
+from amanda.runtime.onnx.host import (_original_init, checked_session, extensions, owned_by,
+                                      run_methods, session_options)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
 from amanda.runtime.observation import fetch_budget
@@ -67,6 +67,10 @@ def _model_key(source, stat):
                        f"{type(source).__name__}")
 
 
+#: a dropped model at least this large (bytes) is freed at once (`_Given.free_now`)
+PROMPT_FREE_BYTES = 1 << 24
+
+
 class _Given:
     """The model of the ``InferenceSession`` call being served: its bytes
     hash to the cache key, so it is the model the cached entry was made
@@ -100,6 +104,23 @@ class _Given:
     def release(self):
         """Drop the loaded model (kept while the bytes are: they are the user's)."""
         self._model = None
+
+    def free_now(self):
+        """Collect the cycles that kept the dropped model (the IR graph's,
+        the side branches') now, if it is large enough to matter: at least
+        `PROMPT_FREE_BYTES`, or of unknown size (external data). A smaller
+        one is left to Python's own collector: a full ``gc.collect()`` walks
+        every object of the process (tens of milliseconds with onnx and
+        numpy loaded, 0.2 s with torch), more than the session creation
+        itself."""
+        if self.data is not None:
+            size = len(self.data)
+        elif self.file is not None:
+            size = self.file[1]
+        else:
+            size = None
+        if size is None or size >= PROMPT_FREE_BYTES:
+            gc.collect()
 
     def for_onnxruntime(self):
         """What onnxruntime should read the model from: its file while
@@ -215,8 +236,9 @@ def _instrumented(session, source, ahead=None):
                             lowering.inline)
     if not hit.sides:
         # the IR graph's cycles refer to the user's model: free it now
-        del lowered, lowering, given._model
-        gc.collect()
+        del lowered, lowering
+        given.release()
+        given.free_now()
     cache[key] = hit
     return hit, given
 
@@ -230,9 +252,8 @@ def _fresh_options(level=None):
     """New ``SessionOptions`` like amanda's default ones (the extensions' op
     library registered), at ``level`` if given; for a session that must not
     share options (and what is added to them) with any other."""
-    from onnxruntime_extensions import get_library_path
     options = ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
+    options.register_custom_ops_library(extensions().get_library_path())
     if level is not None:
         options.graph_optimization_level = level
     return options
@@ -349,7 +370,7 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             del branches
             hit.side = None
             given.release()
-            gc.collect()
+            given.free_now()
             needed = set(bound[0].constants) if bound[0] is not None else set()
             needed.update(n for _, slots in bound[1] for n in slots.values())
             names = [i.name for i in result.graph.initializer]

@@ -1,0 +1,85 @@
+"""What creating an observing session costs besides onnxruntime's own work.
+
+The ONNX path imports no torch: onnxruntime-extensions' package ``__init__``
+imports its converters, transformers and torch, so amanda loads only its
+Python-op module (``amanda.runtime.onnx.host.extensions``). And a small
+model is not followed by a full ``gc.collect()`` (it walks every object of
+the process; ``PROMPT_FREE_BYTES`` in ``amanda/runtime/onnx/session.py``).
+Measured in a fresh process, where nothing else loaded torch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CREATE = textwrap.dedent("""
+    import gc, json, sys
+    import numpy as np, onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    import amanda
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+         helper.make_node("Relu", ["h"], ["y"], name="relu")], "small",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(np.ones((16, 16), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    data = model.SerializeToString()
+
+    class Look(amanda.Tool):
+        def __init__(self, hosted):
+            super().__init__()
+            self.hosted = hosted
+            self.seen = 0
+            self.add_inst_for_op(self.analyse, require_outputs=True)
+        def analyse(self, context):
+            context.insert_after_op(self.look)
+            if self.hosted:
+                context.insert_before_op(self.twice)
+        def look(self, *arrays):
+            self.seen += 1
+        def twice(self, *arrays):
+            return [a * 2 for a in arrays]
+
+    full = []
+    gc.disable()   # only collections someone asks for
+    gc.callbacks.append(lambda phase, info: full.append(1)
+                        if phase == "start" and info["generation"] == 2 else None)
+    out = {}
+    for hosted in (False, True):
+        tool = Look(hosted)
+        with amanda.apply(tool):
+            session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+            y = session.run(None, {"x": np.ones((1, 16), np.float32)})[0]
+        out[str(hosted)] = {"seen": tool.seen, "y": float(y[0, 0])}
+    out["full_collections"] = len(full)
+    out["loaded"] = sorted(m for m in ("torch", "transformers", "tensorflow") if m in sys.modules)
+    # the user's own import of the package runs its __init__, which reuses
+    # the module amanda loaded (one op table): hosting still works
+    import onnxruntime_extensions
+    from amanda.runtime.onnx.host import extensions
+    out["same"] = onnxruntime_extensions.PyCustomOpDef is extensions().PyCustomOpDef
+    with amanda.apply(Look(True)):
+        session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        out["again"] = float(session.run(None, {"x": np.ones((1, 16), np.float32)})[0][0, 0])
+    print(json.dumps(out))
+""")
+
+
+def test_an_observing_session_imports_no_torch_and_collects_nothing():
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", _CREATE], capture_output=True, text=True,
+                          env=env, cwd=ROOT, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["loaded"] == [], out
+    assert out["full_collections"] == 0, out
+    # the routines ran: observe-only (after the run), and hosted inside it
+    assert out["False"] == {"seen": 2, "y": 16.0}, out
+    assert out["True"] == {"seen": 2, "y": 128.0}, out   # (2x * 2W) * 2
+    assert out["same"] and out["again"] == 128.0, out
