@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean wheel-smoke figures
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,27 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/tensorflow
 
+# The package as a user gets it: build the sdist and wheel, install the wheel
+# with only the torch extra into a fresh venv (through constraints.txt, so
+# torch stays the CPU wheel), then run the command from outside the checkout:
+# one real command, and the one-line hint of an extra that is not installed.
+SMOKE := build/wheel-smoke
+wheel-smoke: $(STAMP)
+	rm -rf dist $(SMOKE) && mkdir -p build
+	$(BIN)/python -m build --outdir dist . > $(SMOKE).log 2>&1 || (cat $(SMOKE).log; exit 1)
+	ls dist/*.whl dist/*.tar.gz
+	$(PYTHON) -m venv $(SMOKE)
+	$(SMOKE)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt \
+		"$$(ls dist/*.whl)[torch]"
+	cd $(SMOKE) && bin/amanda flops cnn --out out > flops.txt && grep -q "^total" flops.txt
+	cd $(SMOKE) && { bin/amanda quantize cnn --export out/cnn.onnx --out out 2> hint.txt; \
+		test $$? = 2; } && cat hint.txt && test "$$(wc -l < hint.txt)" = 1 && \
+		grep -q "pip install 'amanda-instrument\[onnx\]'" hint.txt && \
+		test ! -e out/quantization.json
+	@echo "wheel-smoke: ok"
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist

@@ -13,6 +13,7 @@ from amanda.cli.common import (
     _stderr,
     _Workloads,
     _write_json,
+    require,
 )
 from amanda.cli.table import Table, print_table_object
 
@@ -79,6 +80,7 @@ def _run_coverage(specs, workloads, log):
 
 
 def run_coverage(args):
+    require("coverage", args.models)
     _pytorch_only(args.models, "coverage", "it compares amanda with PyTorch module hooks")
     reports = _run_coverage(args.models, _Workloads(args.models), _stderr)
     print_table_object(coverage_table(reports))

@@ -18,6 +18,7 @@ from amanda.cli.common import (
     _stderr,
     _Workloads,
     _write_json,
+    require,
 )
 from amanda.cli.coverage import _run_coverage, coverage_table
 from amanda.cli.nan_check import _PlantNaN
@@ -79,6 +80,7 @@ def run_demo(args):
     count_models = args.models or DEMO_COUNT_MODELS
     coverage_models = args.models or DEMO_COVERAGE_MODELS
     _pytorch_only(count_models, "demo", "its coverage part compares with module hooks")
+    require("demo", [*count_models, *coverage_models])
     workloads = _Workloads(count_models, coverage_models)
     start = time.perf_counter()
 

@@ -16,6 +16,8 @@ from amanda.cli.common import (
     _safe_name,
     _Workloads,
     _write_json,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
@@ -37,12 +39,13 @@ def _flops_chart(profiler, spec, path, top=10):
     axes.set_title(f"FLOPs by op type: {spec}")
     axes.legend(loc="lower right")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(staged(path), dpi=110)
     plt.close(figure)
     return path
 
 
 def run_flops(args):
+    require("flops", args.models, *(["matplotlib"] if args.chart else []))
     from amanda.tools.flops import FlopsProfiler
     workloads = _Workloads(args.models)
     results = []
@@ -63,7 +66,6 @@ def run_flops(args):
                   "by_module": profiler.by_module(), "modules": profiler.modules(),
                   "unknown": dict(profiler.unknown)}
         if args.chart:
-            os.makedirs(args.out, exist_ok=True)
             result["chart"] = _flops_chart(profiler, spec, os.path.join(
                 args.out, f"flops-{_safe_name(spec)}.png"))
         results.append(result)

@@ -19,6 +19,8 @@ from amanda.cli.common import (
     _relative_error,
     _sqnr_db,
     _write_json,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
@@ -68,8 +70,7 @@ def _export_qdq(work, tool, path, eager):
     """Export the quantized PyTorch model and check it under onnxruntime."""
     import numpy as np
     import onnxruntime
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    proto = amanda.export(work.model, work.inputs, tool, f=path)
+    proto = amanda.export(work.model, work.inputs, tool, f=staged(path))
     types = [node.op_type for node in proto.graph.node]
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -84,6 +85,7 @@ def _export_qdq(work, tool, path, eager):
 
 
 def run_quantize(args):
+    require("quantize", [args.model], *(["onnx", "onnxruntime"] if args.export else []))
     from amanda.tools.quantization import QuantizationTool, QuantScheme
     if args.export and not hasattr(amanda, "export"):
         raise MissingPiece("`amanda quantize --export` needs amanda.export (amanda/export.py), "

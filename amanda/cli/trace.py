@@ -15,11 +15,14 @@ from amanda.cli.common import (
     _progress,
     _require,
     _write_json,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
 
 def run_trace(args):
+    require("trace", [args.model], *(["matplotlib"] if args.timeline else []))
     profiler_module = _require("amanda.tools.profiler", "trace", "the op profiler")
     if args.nproc > 1:
         return _run_trace_processes(args)
@@ -36,9 +39,8 @@ def run_trace(args):
     _print_profile(profiler, args.by, args.top)
     if kernels:
         print("\nkernels per op (torch.profiler):\n" + kernels)
-    os.makedirs(args.out, exist_ok=True)
     trace_path = os.path.join(args.out, "trace.json")
-    profiler.save_chrome_trace(trace_path)
+    profiler.save_chrome_trace(staged(trace_path))
     summary = {"model": args.model, "steps_measured": measured,
                "forward_us": profiler.total_us("forward"),
                "backward_us": profiler.total_us("backward"),
@@ -47,9 +49,9 @@ def run_trace(args):
     profile_path = _write_json(args.out, "profile.json", _jsonable(summary))
     written = [trace_path, profile_path]
     if args.timeline:
-        written.append(profiler.plot_timeline(os.path.join(args.out, "timeline.png"),
-                                              title=args.model) or
-                       os.path.join(args.out, "timeline.png"))
+        timeline = os.path.join(args.out, "timeline.png")
+        profiler.plot_timeline(staged(timeline), title=args.model)
+        written.append(timeline)
     print(f"\nChrome trace (open in https://ui.perfetto.dev): {trace_path}")
     print("written: " + ", ".join(written[1:]))
     return 0
@@ -64,9 +66,8 @@ def _run_trace_processes(args):
              f"{s['backward_us'] / 1e3:.3f}"] for rank, s in enumerate(result["per_rank"])]
     print_table(["rank", "steps", "forward ms", "backward ms"], rows, ">>>>",
                  title=f"{args.model} on {args.nproc} processes (DDP, gloo)")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "trace.json")
-    with open(path, "w") as f:
+    with open(staged(path), "w") as f:
         json.dump(result["trace"], f)
     print(f"\nChrome trace, one process per rank (open in https://ui.perfetto.dev): {path}")
     return 0

@@ -441,11 +441,26 @@ def to_svg(view, path, title=None):
     Raises:
         RuntimeError: ``dot`` failed.
     """
+    return render(view, path, "svg", title)
+
+
+def render(view, path, fmt, title=None):
+    """Render the view's DOT (:func:`to_dot`) with Graphviz's ``dot`` to
+    ``path`` in ``fmt`` (``svg``, ``png``): one drawing, the same in every
+    format.
+
+    Returns:
+        ``path``, or None when ``dot`` is not installed.
+
+    Raises:
+        RuntimeError: ``dot`` failed.
+    """
     dot = shutil.which("dot")
     if dot is None:
         return None
-    done = subprocess.run([dot, "-Tsvg", "-o", str(path)], input=to_dot(view, title).encode(),
-                          capture_output=True, check=False)
+    options = ["-Gdpi=96"] if fmt == "png" else []
+    done = subprocess.run([dot, f"-T{fmt}", *options, "-o", str(path)],
+                          input=to_dot(view, title).encode(), capture_output=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"dot failed: {done.stderr.decode(errors='replace').strip()}")
     return path
