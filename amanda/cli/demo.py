@@ -118,7 +118,7 @@ def _demo_tools(spec, workloads):
     work = workloads(spec)
     results = {"model": spec}
 
-    flops = FlopsProfiler()
+    flops = FlopsProfiler(other_backward=True)   # as `amanda flops` counts
     with amanda.apply(flops):
         work.run()
     top = ", ".join(f"{t} {f / 1e6:,.1f}M" for t, f in list(flops.by_type("forward").items())[:3])
