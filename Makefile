@@ -48,6 +48,21 @@ wheel-smoke: $(STAMP)
 		test ! -e out/quantization.json
 	@echo "wheel-smoke: ok"
 
+# The pictures of docs/cli.md, drawn by the command itself: the Graphviz PNG
+# of `amanda graph`, a headless-Chromium screenshot of its HTML fallback, and
+# the `amanda flops --chart` bars (needs Graphviz's dot and chromium:
+# apt-get install graphviz chromium)
+FIGURES := build/figures
+figures: $(STAMP)
+	rm -rf $(FIGURES) && mkdir -p $(FIGURES)
+	$(BIN)/python -m amanda.cli graph cnn --formats png,html --out $(FIGURES) > /dev/null
+	cp $(FIGURES)/graph.png docs/figures/graph-cnn.png
+	chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1000 \
+		--screenshot=$(CURDIR)/docs/figures/graph-cnn-html.png \
+		file://$(CURDIR)/$(FIGURES)/graph.html 2> /dev/null
+	$(BIN)/python -m amanda.cli flops cnn bert --chart --out $(FIGURES) > /dev/null
+	cp $(FIGURES)/flops-cnn.png $(FIGURES)/flops-bert.png docs/figures/
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 

@@ -25,19 +25,35 @@ from amanda.cli.table import print_table
 
 
 def _flops_chart(profiler, spec, path, top=10):
+    """Forward and backward FLOPs of the top op types as paired bars on a log
+    axis, each labelled with its count (``?``: no formula; ``-``: no backward
+    ran), so that the small types stay readable beside convolutions."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
+    from amanda.tools.flops import format_count
     forward, backward = profiler.by_type("forward"), profiler.by_type("backward")
-    types = list(profiler.by_type())[:top]
-    figure, axes = plt.subplots(figsize=(7, 0.45 * len(types) + 1.2))
-    positions = range(len(types))
-    axes.barh(positions, [forward.get(t, 0) / 1e9 for t in types], label="forward")
-    axes.barh(positions, [backward.get(t, 0) / 1e9 for t in types],
-              left=[forward.get(t, 0) / 1e9 for t in types], label="backward")
-    axes.set_yticks(list(positions), types)
+    unknown = {p: profiler.unknown_types(p) for p in ("forward", "backward")}
+    ran = profiler.ran("backward")
+    types = (list(profiler.by_type()) + sorted(set(unknown["forward"]) | set(unknown["backward"])
+                                                - set(profiler.by_type())))[:top]
+    figure, axes = plt.subplots(figsize=(8, 0.6 * len(types) + 1.4))
+    height = 0.38
+    largest = max([1, *forward.values(), *backward.values()])
+    for offset, phase, counts, colour in ((-height / 2, "forward", forward, "#4c78a8"),
+                                          (height / 2, "backward", backward, "#f58518")):
+        values = [counts.get(t, 0) for t in types]
+        positions = [i + offset for i in range(len(types))]
+        axes.barh(positions, [max(v, 0.8) for v in values], height=height, color=colour,
+                  label=phase, log=True)
+        for y, t, v in zip(positions, types, values):
+            label = _cell(v, t in unknown[phase], phase == "forward" or t in ran)
+            axes.text(max(v, 0.8) * 1.15, y, label, va="center", fontsize=8)
+    axes.set_yticks(range(len(types)), types)
     axes.invert_yaxis()
-    axes.set_xlabel("GFLOPs per step")
+    axes.set_xlim(0.8, largest * 20)
+    axes.set_xlabel("FLOPs per training step (log scale)")
     axes.set_title(f"FLOPs by op type: {spec}")
     axes.legend(loc="lower right")
     figure.tight_layout()
