@@ -11,11 +11,14 @@ export TRANSFORMERS_VERBOSITY := error
 
 .PHONY: demo test bench clean wheel-smoke figures
 
+# pip's output goes to $(VENV)/install.log, shown only when the install fails
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip setuptools wheel
-	$(PIP) -e ".[torch,tensorflow,onnx,graph,dev]"
-	touch $(STAMP)
+	@echo "setting up $(VENV): every extra and the test tools (log: $(VENV)/install.log)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@{ $(PIP) --upgrade pip setuptools wheel && \
+	   $(PIP) -e ".[torch,tensorflow,onnx,graph,dev]"; } > $(VENV)/install.log 2>&1 || \
+	   { cat $(VENV)/install.log; exit 1; }
+	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/amanda demo
@@ -40,7 +43,8 @@ wheel-smoke: $(STAMP)
 	ls dist/*.whl dist/*.tar.gz
 	$(PYTHON) -m venv $(SMOKE)
 	$(SMOKE)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt \
-		"$$(ls dist/*.whl)[torch]"
+		"$$(ls dist/*.whl)[torch]" > $(SMOKE)-install.log 2>&1 || \
+		{ cat $(SMOKE)-install.log; exit 1; }
 	cd $(SMOKE) && bin/amanda flops cnn --out out > flops.txt && grep -q "^total" flops.txt
 	cd $(SMOKE) && { bin/amanda quantize cnn --export out/cnn.onnx --out out 2> hint.txt; \
 		test $$? = 2; } && cat hint.txt && test "$$(wc -l < hint.txt)" = 1 && \

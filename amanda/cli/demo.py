@@ -126,17 +126,22 @@ def _demo_tools(spec, workloads):
     print(f"    amanda flops {spec}:      forward {flops.total('forward') / 1e6:,.1f} MFLOPs "
           f"({top}), backward {flops.total('backward') / 1e6:,.1f} MFLOPs")
 
-    quantization = QuantizationTool()
+    # exactly `amanda quantize SPEC`: its default schemes and calibration batches
+    from amanda.cli import quantize
+    options = quantize.default_arguments(spec)
+    weight, activation = quantize.schemes(options)
+    quantization = QuantizationTool(weight=weight, activation=activation,
+                                    observer=options.observer)
     reference = work.forward()
-    with amanda.apply(quantization.calibration()):
-        work.forward()
+    quantize.calibrate(work, quantization, options.calibrate)
     quantization.freeze()
     with amanda.apply(quantization):
         quantized = work.forward()
     error = _relative_error(reference, quantized)
     results["quantize"] = {"ops": len(quantization.ops), "relative_error": error}
     print(f"    amanda quantize {spec}:   {len(quantization.ops)} ops fake-quantized to 8 bits "
-          f"(per-channel weights), output relative error {error:.4f}")
+          f"(per-channel weights; {options.calibrate} calibration batches), output relative "
+          f"error {error:.4f}")
 
     plant, detector = _PlantNaN("conv2d", 2), NanDetector()
     with amanda.apply(plant, detector):

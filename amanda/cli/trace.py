@@ -79,10 +79,18 @@ def _print_profile(profiler, by, top):
     rows = {"type": profiler.by_type, "name": profiler.by_name,
             "module": lambda: profiler.by_module(depth=3)}[by]()
     total = profiler.total_us() or 1.0
-    shown = [[("(root)" if key == "" else key), row["calls"], f"{row['forward_us'] / 1e3:.3f}",
+    labels = {"": "(model itself)", None: "(outside the model)"} if by == "module" else {}
+    shown = [[labels.get(key, key), row["calls"], f"{row['forward_us'] / 1e3:.3f}",
               f"{row['backward_us'] / 1e3:.3f}", f"{row['total_us'] / 1e3:.3f}",
               f"{100 * row['total_us'] / total:.1f}%"] for key, row in rows.items()]
     notes = [f"... {len(shown) - top} more rows"] if len(shown) > top else []
+    if by == "module":
+        listed = {key for key in rows}
+        notes += [text for key, text in (
+            ("", "(model itself): ops run directly in the model's forward, in none of its "
+                 "submodules (functional calls such as a reshape), and their backward ops"),
+            (None, "(outside the model): ops run outside the model's forward (the loss "
+                   "and the backward ops that start from it)")) if key in listed]
     footer = [["total", len(profiler.events), f"{profiler.total_us('forward') / 1e3:.3f}",
                f"{profiler.total_us('backward') / 1e3:.3f}", f"{total / 1e3:.3f}", "100.0%"]]
     print_table([by, "calls", "forward ms", "backward ms", "total ms", "%"], shown[:top],
