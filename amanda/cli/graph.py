@@ -75,8 +75,9 @@ def _write_graph(args, tracer, graph, view, formats, graph_view):
     if drawn and shutil.which("dot") is None:
         if "html" not in formats:
             formats = formats + ["html"]
-        _stderr(f"amanda graph: Graphviz's `dot` is not installed (Debian: apt-get install "
-                f"graphviz); writing graph.html instead of {' and '.join(f'graph.{f}' for f in drawn)}")
+        instead = " and ".join(f"graph.{f}" for f in drawn)
+        _stderr("amanda graph: Graphviz's `dot` is not installed (Debian: apt-get install "
+                f"graphviz); writing graph.html instead of {instead}")
         drawn = []
     for fmt in drawn:
         graph_view.render(view, path(f"graph.{fmt}"), fmt, title=args.model)

@@ -16,7 +16,8 @@ import math
 from amanda.runtime.tool_support import support_for
 from amanda.tools._shapes import dims
 
-__all__ = ["BACKWARD_FORMULAS", "BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES", "FORMULAS", "MATMUL_TYPES",
+__all__ = ["BACKWARD_FORMULAS", "BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES",
+           "FORMULAS", "MATMUL_TYPES",
            "NORM_TYPES", "REDUCTION_TYPES", "RNN_ELEMENTWISE", "SOFTMAX_TYPES",
            "ZERO_FLOP_TYPES", "normalise_type"]
 
