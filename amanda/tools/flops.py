@@ -109,7 +109,8 @@ class FlopsProfiler(amanda.Tool):
         unknown: ``Counter`` of op types without a formula -> executions.
         unknown_backward: ``Counter`` of op types whose backward has no
             formula (see :data:`~amanda.tools.flops_formulas.BACKWARD_FORMULAS`)
-            -> executions of their backward ops.
+            -> backward ops of theirs analysed (noted by the analysis, which
+            is cached: no routine runs for them, and :meth:`reset` keeps it).
         records: (namespace, op id) -> dict(name, type, module, flops, calls)
             for every forward op with a nonzero count. For an ONNX op counted
             at run time (shapes not static), ``flops`` is that of its latest
@@ -125,7 +126,7 @@ class FlopsProfiler(amanda.Tool):
         self.records = {}
         # phase -> module paths with an op counted as unknown (shown as "?")
         self._unknown_modules = {"forward": set(), "backward": set()}
-        self._unknown_types = {"forward": Counter(), "backward": Counter()}
+        self._unknown_types = {"forward": Counter()}
         # phase -> executions counted per op type, and modules with one: a 0
         # that was computed, told apart from a phase that never ran ("-")
         self._ran = {"forward": Counter(), "backward": Counter()}
@@ -249,8 +250,9 @@ class FlopsProfiler(amanda.Tool):
             costs = backward_costs(op_type, _numel(shape),
                                    None if inputs is None else _numel(inputs), flops)
         if costs is None:
-            context.insert_after_backward_op(self._count_unknown_backward, grad_inputs=[],
-                                             op_type=op_type, module=module)
+            # noted once per backward op analysed (no routine: no cost per step)
+            self.unknown_backward[op_type] += 1
+            self._unknown_modules["backward"].add(module)
             return
         key = (context.namespace, context.get_op_id(), str(context.get_backward_op_id()))
         if op_type not in RNN_ELEMENTWISE:   # an RNN's first gradient is not its output's
@@ -340,11 +342,6 @@ class FlopsProfiler(amanda.Tool):
         self._unknown_types["forward"][op_type or label] += 1
         self._unknown_modules["forward"].add(module)
 
-    def _count_unknown_backward(self, *tensors, op_type, module):
-        self.unknown_backward[op_type] += 1
-        self._unknown_types["backward"][op_type] += 1
-        self._unknown_modules["backward"].add(module)
-
     def _count_gradients(self, *grads, key, op_type, module, costs):
         if key in self._skip:
             self._skip.discard(key)
@@ -389,7 +386,7 @@ class FlopsProfiler(amanda.Tool):
         counts are not in the totals: shown as ``?``, never as 0)."""
         merged = Counter()
         for p in self._phases(phase):
-            merged.update(self._unknown_types[p])
+            merged.update(self.unknown_backward if p == "backward" else self._unknown_types[p])
         return dict(sorted(merged.items()))
 
     def ran(self, phase):
@@ -485,10 +482,9 @@ class FlopsProfiler(amanda.Tool):
         for record in self.records.values():
             record["calls"] = 0
         self.unknown.clear()
-        self.unknown_backward.clear()
+        self._unknown_types["forward"].clear()
+        self._unknown_modules["forward"].clear()
         for phase in ("forward", "backward"):
-            self._unknown_types[phase].clear()
-            self._unknown_modules[phase].clear()
             self._ran[phase].clear()
             self._ran_modules[phase].clear()
         self._pending.clear()
