@@ -9,13 +9,16 @@ export HF_HUB_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean wheel-smoke figures
 
+# pip's output goes to $(VENV)/install.log, shown only when the install fails
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip setuptools wheel
-	$(PIP) -e ".[torch,tensorflow,onnx,graph,dev]"
-	touch $(STAMP)
+	@echo "setting up $(VENV): every extra and the test tools (log: $(VENV)/install.log)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@{ $(PIP) --upgrade pip setuptools wheel && \
+	   $(PIP) -e ".[torch,tensorflow,onnx,graph,dev]"; } > $(VENV)/install.log 2>&1 || \
+	   { cat $(VENV)/install.log; exit 1; }
+	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/amanda demo
@@ -29,8 +32,43 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/pytorch/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/tensorflow
 
+# The package as a user gets it: build the sdist and wheel, install the wheel
+# with only the torch extra into a fresh venv (through constraints.txt, so
+# torch stays the CPU wheel), then run the command from outside the checkout:
+# one real command, and the one-line hint of an extra that is not installed.
+SMOKE := build/wheel-smoke
+wheel-smoke: $(STAMP)
+	rm -rf dist $(SMOKE) && mkdir -p build
+	$(BIN)/python -m build --outdir dist . > $(SMOKE).log 2>&1 || (cat $(SMOKE).log; exit 1)
+	ls dist/*.whl dist/*.tar.gz
+	$(PYTHON) -m venv $(SMOKE)
+	$(SMOKE)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt \
+		"$$(ls dist/*.whl)[torch]" > $(SMOKE)-install.log 2>&1 || \
+		{ cat $(SMOKE)-install.log; exit 1; }
+	cd $(SMOKE) && bin/amanda flops cnn --out out > flops.txt && grep -q "^total" flops.txt
+	cd $(SMOKE) && { bin/amanda quantize cnn --export out/cnn.onnx --out out 2> hint.txt; \
+		test $$? = 2; } && cat hint.txt && test "$$(wc -l < hint.txt)" = 1 && \
+		grep -q "pip install 'amanda-instrument\[onnx\]'" hint.txt && \
+		test ! -e out/quantization.json
+	@echo "wheel-smoke: ok"
+
+# The pictures of docs/cli.md, drawn by the command itself: the Graphviz PNG
+# of `amanda graph`, a headless-Chromium screenshot of its HTML fallback, and
+# the `amanda flops --chart` bars (needs Graphviz's dot and chromium:
+# apt-get install graphviz chromium)
+FIGURES := build/figures
+figures: $(STAMP)
+	rm -rf $(FIGURES) && mkdir -p $(FIGURES)
+	$(BIN)/python -m amanda.cli graph cnn --formats png,html --out $(FIGURES) > /dev/null
+	cp $(FIGURES)/graph.png docs/figures/graph-cnn.png
+	chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1000 \
+		--screenshot=$(CURDIR)/docs/figures/graph-cnn-html.png \
+		file://$(CURDIR)/$(FIGURES)/graph.html 2> /dev/null
+	$(BIN)/python -m amanda.cli flops cnn bert --chart --out $(FIGURES) > /dev/null
+	cp $(FIGURES)/flops-cnn.png $(FIGURES)/flops-bert.png docs/figures/
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build dist

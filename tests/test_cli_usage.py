@@ -42,13 +42,13 @@ def test_a_missing_extra_is_one_line_naming_the_install(modules, argv, extra, tm
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines == [f"amanda {argv[0]}: needs {modules[0]}, which is not installed; "
-                     f"pip install 'amanda[{extra}]'"], done.stderr
+                     f"pip install 'amanda-instrument[{extra}]'"], done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_missing_core_dependency_says_reinstall():
     error = ModuleNotFoundError("No module named 'numpy'", name="numpy")
-    assert cli.missing_extra_message("trace", error).endswith("pip install amanda")
+    assert cli.missing_extra_message("trace", error).endswith("pip install amanda-instrument")
     other = ModuleNotFoundError("No module named 'mylib'", name="mylib")
     assert cli.missing_extra_message("trace", other) is None   # a user's bug: traceback
 

@@ -47,18 +47,22 @@ from amanda.cli import (
 from amanda.cli.common import (
     DEFAULT_OUT,
     EXTRA_OF_MODULE,
+    DISTRIBUTION,
     Command,
+    MissingExtra,
     MissingPiece,
     UsageError,
     _require,  # noqa: F401  (tests reach it as amanda.cli._require)
+    commit_outputs,
+    discard_outputs,
     missing_extra_message,
 )
 from amanda.cli.coverage import DEFAULT_COVERAGE_MODELS, coverage_table
 from amanda.cli.demo import CountOPTool
 
-__all__ = ["COMMANDS", "DEFAULT_COVERAGE_MODELS", "DEFAULT_OUT", "EXTRA_OF_MODULE", "Command",
-           "CountOPTool", "MissingPiece", "UsageError", "build_parser", "coverage_table", "main",
-           "missing_extra_message"]
+__all__ = ["COMMANDS", "DEFAULT_COVERAGE_MODELS", "DEFAULT_OUT", "DISTRIBUTION",
+           "EXTRA_OF_MODULE", "Command", "CountOPTool", "MissingExtra", "MissingPiece",
+           "UsageError", "build_parser", "coverage_table", "main", "missing_extra_message"]
 
 COMMANDS = {m.COMMAND.name: m.COMMAND for m in [
     trace, flops, coverage, prune, quantize, nan_check, diff, graph, demo, models]}
@@ -115,8 +119,12 @@ def main(argv=None):
     if args.command is None:
         parser.print_help()
         return 2
+    discard_outputs()   # nothing staged by an earlier call in this process
     try:
-        return args.run(args)
+        status = _run(args)
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except UsageError as exc:
         print(f"amanda {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -129,3 +137,17 @@ def main(argv=None):
             raise
         print(message, file=sys.stderr)
         return 2
+    return status
+
+
+def _run(args):
+    """Run the command; its outputs move into place only if it returns (an
+    exit status of 1 for a found NaN or divergence is a result, not a
+    failure), and are deleted if it raises."""
+    try:
+        status = args.run(args)
+    except BaseException:
+        discard_outputs()
+        raise
+    commit_outputs()
+    return status

@@ -124,18 +124,70 @@ class _Workloads:
 
 
 def _write_json(out_dir, filename, data):
-    os.makedirs(out_dir, exist_ok=True)
+    """Write ``data`` as OUT/filename (staged: in place once the command succeeds)."""
     path = os.path.join(out_dir, filename)
-    with open(path, "w") as f:
+    with open(staged(path), "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)
         f.write("\n")
     return path
+
+
+# -- outputs: written under temporary names, renamed when the command succeeds ---------
+
+_STAGED = []   # (temporary path, final path) of the running command
+
+
+def staged(path):
+    """The temporary path to write the output ``path`` to.
+
+    Every file a command writes goes through here: it lands next to its final
+    place as ``.amanda-partial-PID-NAME`` (same extension, so savefig and
+    exporters still see the format) and :func:`commit_outputs` renames it to
+    ``path`` when the command succeeds; :func:`discard_outputs` deletes it
+    when it fails, so a failed command leaves neither a partial file nor a
+    mix of this run's and the previous run's outputs."""
+    folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    temporary = os.path.join(folder, f".amanda-partial-{os.getpid()}-{name}")
+    _STAGED.append((temporary, path))
+    return temporary
+
+
+def commit_outputs():
+    """Move every staged output into place (the command succeeded)."""
+    while _STAGED:
+        temporary, final = _STAGED.pop(0)
+        if os.path.exists(temporary):
+            os.replace(temporary, final)
+
+
+def discard_outputs():
+    """Delete every staged output (the command failed)."""
+    while _STAGED:
+        temporary, _ = _STAGED.pop()
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 # -- shared helpers for the tool commands ---------------------------------------------------
 
 class MissingPiece(UsageError):
     """A subcommand needs a module that is not in this installation."""
+
+
+#: The distribution name on PyPI (``amanda`` there is an unrelated project);
+#: the import name and the command stay ``amanda``.
+DISTRIBUTION = "amanda-instrument"
+
+
+def install_hint(extra):
+    """The ``pip install`` that brings ``extra`` ("" = the core)."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'" if extra else f"pip install {DISTRIBUTION}"
+
+
+class MissingExtra(MissingPiece):
+    """A module of an optional extra is not installed: the message is the
+    whole one-line hint (printed as is, exit status 2)."""
 
 
 # The extra of pyproject.toml that installs each optional top-level module;
@@ -157,9 +209,39 @@ def missing_extra_message(command, error):
     extra = EXTRA_OF_MODULE.get(module)
     if extra is None:
         return None
-    target = f"'amanda[{extra}]'" if extra else "amanda"
-    return (f"amanda {command}: needs {module}, which is not installed; "
-            f"pip install {target}")
+    return f"amanda {command}: needs {module}, which is not installed; {install_hint(extra)}"
+
+
+def _installed(module):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):   # a parent missing; sys.modules[name] = None
+        return False
+
+
+def spec_modules(spec):
+    """The optional modules a model spec needs to load (before it loads)."""
+    if spec.startswith("keras:"):
+        return ["tensorflow"]
+    if spec.endswith(".onnx"):
+        return ["onnx", "onnxruntime"]
+    return ["torch"]
+
+
+def require(command, specs, *modules):
+    """Check, before anything runs, the modules the model specs and the
+    chosen options need (:func:`require_modules`)."""
+    needed = [m for spec in specs for m in spec_modules(spec)] + list(modules)
+    require_modules(command, list(dict.fromkeys(needed)))
+
+
+def require_modules(command, modules):
+    """Fail with the one-line install hint for the first of ``modules`` not
+    installed: called before any model loads or any file is written."""
+    for module in modules:
+        if not _installed(module):
+            raise MissingExtra(missing_extra_message(command, ModuleNotFoundError(name=module)))
 
 
 def _require(module, command, what):

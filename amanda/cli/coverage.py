@@ -13,6 +13,7 @@ from amanda.cli.common import (
     _stderr,
     _Workloads,
     _write_json,
+    require,
 )
 from amanda.cli.table import Table, print_table_object
 
@@ -54,14 +55,19 @@ def coverage_table(reports):
                      _coverage_note(r)])
     errors = [f"{r['model']}: full backward hooks raise {_first_sentence(r['hooks_error'])}."
               for r in reports if r["hooks_error"]]
-    legend = textwrap.dedent("""\
-        amanda: a point per op call and per autograd node (gradient accumulators
-        included), loss included. hooks: forward hook calls on every module, containers
-        included (leaf: on modules without children, the ones that can stand for an
-        op); backward: full backward hook calls. "hooks miss": forward ops run
-        directly in a module with children, so no module hook corresponds to them;
-        "share a module hook": ops of a leaf module that runs several
-        (see amanda/tools/coverage.py).""")
+    # the legend explains what the table shows, and only that
+    parts = ["amanda: a point per op call and per autograd node (gradient accumulators "
+             "included), loss included. hooks: forward hook calls on every module, "
+             "containers included (leaf: on modules without children, the ones that can "
+             "stand for an op); backward: full backward hook calls."]
+    if any(r["missed_by_hooks"] for r in reports):
+        parts.append('"hooks miss": forward ops run directly in a module with children, so '
+                     "no module hook corresponds to them.")
+    if any(r["partially_covered"] for r in reports):
+        parts.append('"share a module hook": ops of a leaf module that runs several, so one '
+                     "hook call stands for them all.")
+    parts.append("See amanda/tools/coverage.py.")
+    legend = textwrap.fill(" ".join(parts), width=84)
     return Table(["model", "forward points amanda / hooks (leaf)",
                   "backward points amanda / hooks", "note"], rows, "<>><",
                  notes=errors + ["", legend])
@@ -79,6 +85,7 @@ def _run_coverage(specs, workloads, log):
 
 
 def run_coverage(args):
+    require("coverage", args.models)
     _pytorch_only(args.models, "coverage", "it compares amanda with PyTorch module hooks")
     reports = _run_coverage(args.models, _Workloads(args.models), _stderr)
     print_table_object(coverage_table(reports))

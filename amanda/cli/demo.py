@@ -18,6 +18,7 @@ from amanda.cli.common import (
     _stderr,
     _Workloads,
     _write_json,
+    require,
 )
 from amanda.cli.coverage import _run_coverage, coverage_table
 from amanda.cli.nan_check import _PlantNaN
@@ -79,6 +80,7 @@ def run_demo(args):
     count_models = args.models or DEMO_COUNT_MODELS
     coverage_models = args.models or DEMO_COVERAGE_MODELS
     _pytorch_only(count_models, "demo", "its coverage part compares with module hooks")
+    require("demo", [*count_models, *coverage_models])
     workloads = _Workloads(count_models, coverage_models)
     start = time.perf_counter()
 
@@ -116,7 +118,7 @@ def _demo_tools(spec, workloads):
     work = workloads(spec)
     results = {"model": spec}
 
-    flops = FlopsProfiler()
+    flops = FlopsProfiler(other_backward=True)   # as `amanda flops` counts
     with amanda.apply(flops):
         work.run()
     top = ", ".join(f"{t} {f / 1e6:,.1f}M" for t, f in list(flops.by_type("forward").items())[:3])
@@ -124,17 +126,22 @@ def _demo_tools(spec, workloads):
     print(f"    amanda flops {spec}:      forward {flops.total('forward') / 1e6:,.1f} MFLOPs "
           f"({top}), backward {flops.total('backward') / 1e6:,.1f} MFLOPs")
 
-    quantization = QuantizationTool()
+    # exactly `amanda quantize SPEC`: its default schemes and calibration batches
+    from amanda.cli import quantize
+    options = quantize.default_arguments(spec)
+    weight, activation = quantize.schemes(options)
+    quantization = QuantizationTool(weight=weight, activation=activation,
+                                    observer=options.observer)
     reference = work.forward()
-    with amanda.apply(quantization.calibration()):
-        work.forward()
+    quantize.calibrate(work, quantization, options.calibrate)
     quantization.freeze()
     with amanda.apply(quantization):
         quantized = work.forward()
     error = _relative_error(reference, quantized)
     results["quantize"] = {"ops": len(quantization.ops), "relative_error": error}
     print(f"    amanda quantize {spec}:   {len(quantization.ops)} ops fake-quantized to 8 bits "
-          f"(per-channel weights), output relative error {error:.4f}")
+          f"(per-channel weights; {options.calibrate} calibration batches), output relative "
+          f"error {error:.4f}")
 
     plant, detector = _PlantNaN("conv2d", 2), NanDetector()
     with amanda.apply(plant, detector):

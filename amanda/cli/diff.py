@@ -13,10 +13,14 @@ from amanda.cli.common import (
     _load,
     _require,
     _write_json,
+    require,
 )
 
 
 def run_diff(args):
+    # the export (PyTorch) or tf2onnx conversion (keras:), then onnxruntime
+    converter = ["tf2onnx"] if args.model.startswith("keras:") else []
+    require("diff", [args.model], "onnx", *converter, "onnxruntime")
     diff = _require("amanda.tools.diff", "diff", "the numeric diff tool")
     work = _load(args.model, "diff", ("pytorch", "tensorflow"))
     if work.framework == "tensorflow":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 
 import amanda
 from amanda.cli.common import (
@@ -14,6 +15,8 @@ from amanda.cli.common import (
     _count,
     _load,
     _stderr,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
@@ -28,6 +31,7 @@ def run_graph(args):
     if unknown:
         raise UsageError(f"--formats: unknown {', '.join(unknown)}; choose from "
                          f"{', '.join(GRAPH_FORMATS)}")
+    require("graph", [args.model])
     work = _load(args.model, "graph")
     tracer = GraphTracingTool()
     with amanda.apply(tracer):
@@ -38,7 +42,6 @@ def run_graph(args):
     print_table(["op type", "ops"], [[t, n] for t, n in counts.most_common(args.top)], "<>",
                  title=f"{args.model}: {len(ops)} ops, {len(graph.inputs)} inputs, "
                        f"{len(graph.outputs)} outputs ({graph.namespace})")
-    os.makedirs(args.out, exist_ok=True)
     from amanda.tools import graph_view
     if work.framework == "pytorch":
         graph_view.name_parameters(graph, work.model)
@@ -54,31 +57,33 @@ def run_graph(args):
 
 
 def _write_graph(args, tracer, graph, view, formats, graph_view):
+    """Write the chosen formats (staged: in place when the command succeeds).
+    SVG and PNG are Graphviz's drawing of the DOT; without ``dot`` both fall
+    back to graph.html, which needs nothing."""
     written = []
 
     def path(name):
         written.append(os.path.join(args.out, name))
-        return written[-1]
+        return staged(written[-1])
 
     if "json" in formats:
         tracer.to_json(graph, path=path("graph.json"))
     if "dot" in formats:
         with open(path("graph.dot"), "w") as f:
             f.write(graph_view.to_dot(view, title=args.model))
-    if "svg" in formats:
-        svg = os.path.join(args.out, "graph.svg")
-        if graph_view.to_svg(view, svg, title=args.model) is not None:
-            written.append(svg)
-        elif "html" not in formats:   # no Graphviz: the drawing that needs nothing
+    drawn = [f for f in ("svg", "png") if f in formats]
+    if drawn and shutil.which("dot") is None:
+        if "html" not in formats:
             formats = formats + ["html"]
-            _stderr("amanda graph: Graphviz's `dot` is not installed (Debian: apt-get "
-                    "install graphviz); writing graph.html instead of graph.svg")
+        instead = " and ".join(f"graph.{f}" for f in drawn)
+        _stderr("amanda graph: Graphviz's `dot` is not installed (Debian: apt-get install "
+                f"graphviz); writing graph.html instead of {instead}")
+        drawn = []
+    for fmt in drawn:
+        graph_view.render(view, path(f"graph.{fmt}"), fmt, title=args.model)
     if "html" in formats:
         with open(path("graph.html"), "w") as f:
             f.write(graph_view.to_html(view, title=args.model))
-    if "png" in formats:
-        tracer.render_png(path("graph.png"), graph, forward_only=args.forward_only,
-                          title=args.model)
     return written
 
 
@@ -98,8 +103,8 @@ def add_graph_arguments(parser):
     parser.add_argument("--formats", default="json,dot,svg",
                         help="comma-separated: json (IR), dot (readable Graphviz source), svg "
                              "(drawn by Graphviz's dot; graph.html when dot is missing), html "
-                             "(self-contained page with pan and zoom), png (networkx and "
-                             "matplotlib: the viz extra) (default: json,dot,svg)")
+                             "(self-contained page with pan and zoom), png (drawn by dot like the "
+                             "svg; graph.html when dot is missing) (default: json,dot,svg)")
     parser.add_argument("--forward-only", action="store_true",
                         help="leave backward ops out of the drawings")
     parser.add_argument("--show-init", action="store_true",

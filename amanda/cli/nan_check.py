@@ -13,6 +13,7 @@ from amanda.cli.common import (
     _jsonable,
     _load,
     _write_json,
+    require,
 )
 from amanda.cli.table import print_table
 
@@ -70,6 +71,7 @@ class _PlantNaN(amanda.Tool):
 
 
 def run_nan_check(args):
+    require("nan-check", [args.model])
     from amanda.tools.debugging import NanDetector, OpStatistics
     work = _load(args.model, "nan-check")
     detector = NanDetector()

@@ -13,11 +13,13 @@ from amanda.cli.common import (
     _relative_error,
     _require,
     _write_json,
+    require,
 )
 from amanda.cli.table import print_table
 
 
 def run_prune(args):
+    require("prune", [args.model])
     pruning = _require("amanda.tools.pruning", "prune", "the pruning tool")
     work = _load(args.model, "prune", ("pytorch", "tensorflow"))
     pruner = pruning.Pruner(args.pattern, sparsity=args.sparsity)

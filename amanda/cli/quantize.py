@@ -19,6 +19,8 @@ from amanda.cli.common import (
     _relative_error,
     _sqnr_db,
     _write_json,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
@@ -68,8 +70,7 @@ def _export_qdq(work, tool, path, eager):
     """Export the quantized PyTorch model and check it under onnxruntime."""
     import numpy as np
     import onnxruntime
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    proto = amanda.export(work.model, work.inputs, tool, f=path)
+    proto = amanda.export(work.model, work.inputs, tool, f=staged(path))
     types = [node.op_type for node in proto.graph.node]
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -83,8 +84,39 @@ def _export_qdq(work, tool, path, eager):
             "max_abs_diff_vs_eager": float(np.abs(np.asarray(output) - eager).max())}
 
 
+def schemes(args):
+    """The weight and activation schemes the options ask for (None: float)."""
+    from amanda.tools.quantization import QuantScheme
+    weight = None if args.weight_bits == 0 else QuantScheme(
+        args.weight_bits, symmetric=not args.asymmetric_weights, per_channel=not args.per_tensor)
+    activation = None if args.activation_bits == 0 else QuantScheme(
+        args.activation_bits, symmetric=args.symmetric_activations)
+    return weight, activation
+
+
+def calibrate(work, tool, count):
+    """Observe activation ranges on ``count`` batches (:func:`_calibration_batches`);
+    returns the batches. `amanda demo` calibrates the same way, so both print
+    the same error."""
+    batches = _calibration_batches(work, max(1, count))
+    if tool.activation is not None:
+        with amanda.apply(tool.calibration()):
+            for batch in _progress(batches, len(batches), "calibrating"):
+                work.forward(batch)
+    return batches
+
+
+def default_arguments(spec):
+    """The options of ``amanda quantize SPEC`` with nothing else given."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_quantize_arguments(parser)
+    return parser.parse_args([spec])
+
+
 def run_quantize(args):
-    from amanda.tools.quantization import QuantizationTool, QuantScheme
+    require("quantize", [args.model], *(["onnx", "onnxruntime"] if args.export else []))
+    from amanda.tools.quantization import QuantizationTool
     if args.export and not hasattr(amanda, "export"):
         raise MissingPiece("`amanda quantize --export` needs amanda.export (amanda/export.py), "
                            "which is not installed in this tree")
@@ -93,17 +125,10 @@ def run_quantize(args):
         raise UsageError("--export writes ONNX from PyTorch models only")
     if args.qat and work.framework != "pytorch":
         raise UsageError("--qat trains PyTorch models only (TF graphs: calibrate and quantize)")
-    weight = None if args.weight_bits == 0 else QuantScheme(
-        args.weight_bits, symmetric=not args.asymmetric_weights, per_channel=not args.per_tensor)
-    activation = None if args.activation_bits == 0 else QuantScheme(
-        args.activation_bits, symmetric=args.symmetric_activations)
+    weight, activation = schemes(args)
     tool = QuantizationTool(weight=weight, activation=activation, observer=args.observer)
     reference = work.forward()
-    batches = _calibration_batches(work, max(1, args.calibrate))
-    if activation is not None:
-        with amanda.apply(tool.calibration()):
-            for batch in _progress(batches, len(batches), "calibrating"):
-                work.forward(batch)
+    batches = calibrate(work, tool, args.calibrate)
     losses = _qat_steps(work, tool, reference, args.qat, args.lr) if args.qat else []
     tool.freeze()
     with amanda.apply(tool):

@@ -15,11 +15,14 @@ from amanda.cli.common import (
     _progress,
     _require,
     _write_json,
+    require,
+    staged,
 )
 from amanda.cli.table import print_table
 
 
 def run_trace(args):
+    require("trace", [args.model], *(["matplotlib"] if args.timeline else []))
     profiler_module = _require("amanda.tools.profiler", "trace", "the op profiler")
     if args.nproc > 1:
         return _run_trace_processes(args)
@@ -36,9 +39,8 @@ def run_trace(args):
     _print_profile(profiler, args.by, args.top)
     if kernels:
         print("\nkernels per op (torch.profiler):\n" + kernels)
-    os.makedirs(args.out, exist_ok=True)
     trace_path = os.path.join(args.out, "trace.json")
-    profiler.save_chrome_trace(trace_path)
+    profiler.save_chrome_trace(staged(trace_path))
     summary = {"model": args.model, "steps_measured": measured,
                "forward_us": profiler.total_us("forward"),
                "backward_us": profiler.total_us("backward"),
@@ -47,9 +49,9 @@ def run_trace(args):
     profile_path = _write_json(args.out, "profile.json", _jsonable(summary))
     written = [trace_path, profile_path]
     if args.timeline:
-        written.append(profiler.plot_timeline(os.path.join(args.out, "timeline.png"),
-                                              title=args.model) or
-                       os.path.join(args.out, "timeline.png"))
+        timeline = os.path.join(args.out, "timeline.png")
+        profiler.plot_timeline(staged(timeline), title=args.model)
+        written.append(timeline)
     print(f"\nChrome trace (open in https://ui.perfetto.dev): {trace_path}")
     print("written: " + ", ".join(written[1:]))
     return 0
@@ -64,9 +66,8 @@ def _run_trace_processes(args):
              f"{s['backward_us'] / 1e3:.3f}"] for rank, s in enumerate(result["per_rank"])]
     print_table(["rank", "steps", "forward ms", "backward ms"], rows, ">>>>",
                  title=f"{args.model} on {args.nproc} processes (DDP, gloo)")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "trace.json")
-    with open(path, "w") as f:
+    with open(staged(path), "w") as f:
         json.dump(result["trace"], f)
     print(f"\nChrome trace, one process per rank (open in https://ui.perfetto.dev): {path}")
     return 0
@@ -78,10 +79,18 @@ def _print_profile(profiler, by, top):
     rows = {"type": profiler.by_type, "name": profiler.by_name,
             "module": lambda: profiler.by_module(depth=3)}[by]()
     total = profiler.total_us() or 1.0
-    shown = [[("(root)" if key == "" else key), row["calls"], f"{row['forward_us'] / 1e3:.3f}",
+    labels = {"": "(model itself)", None: "(outside the model)"} if by == "module" else {}
+    shown = [[labels.get(key, key), row["calls"], f"{row['forward_us'] / 1e3:.3f}",
               f"{row['backward_us'] / 1e3:.3f}", f"{row['total_us'] / 1e3:.3f}",
               f"{100 * row['total_us'] / total:.1f}%"] for key, row in rows.items()]
     notes = [f"... {len(shown) - top} more rows"] if len(shown) > top else []
+    if by == "module":
+        listed = {key for key in rows}
+        notes += [text for key, text in (
+            ("", "(model itself): ops run directly in the model's forward, in none of its "
+                 "submodules (functional calls such as a reshape), and their backward ops"),
+            (None, "(outside the model): ops run outside the model's forward (the loss "
+                   "and the backward ops that start from it)")) if key in listed]
     footer = [["total", len(profiler.events), f"{profiler.total_us('forward') / 1e3:.3f}",
                f"{profiler.total_us('backward') / 1e3:.3f}", f"{total / 1e3:.3f}", "100.0%"]]
     print_table([by, "calls", "forward ms", "backward ms", "total ms", "%"], shown[:top],

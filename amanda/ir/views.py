@@ -27,7 +27,8 @@ def to_networkx(graph, control_edges=False):
     try:
         import networkx  # imported here so that importing amanda.ir stays light
     except ImportError as error:
-        raise ImportError("to_networkx needs networkx: pip install 'amanda[graph]'") from error
+        raise ImportError("to_networkx needs networkx: "
+                          "pip install 'amanda-instrument[graph]'") from error
 
     view = networkx.MultiDiGraph(
         name=graph.name,

@@ -211,7 +211,8 @@ def tf_to_onnx(session, inputs, outputs, opset=17):
     try:
         convert = tf_support.tf2onnx_converter()
     except ImportError:
-        raise ToolError("diff: tf_to_onnx needs tf2onnx (pip install 'amanda[onnx]')") from None
+        raise ToolError("diff: tf_to_onnx needs tf2onnx "
+                        "(pip install 'amanda-instrument[onnx]')") from None
     graph = session.graph
     inputs = [_tf_tensor(graph, t, "tf_to_onnx").name for t in _as_list(inputs)]
     outputs = [_tf_tensor(graph, t, "tf_to_onnx").name for t in _as_list(outputs)]

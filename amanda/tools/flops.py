@@ -25,8 +25,13 @@ Conventions (see docs/tools/flops.md):
   ``ConvolutionBackward0`` / ``AddmmBackward0`` / ``MmBackward0`` /
   ``BmmBackward0`` node gets 2x forward; in TF ``Conv2DBackpropInput`` and
   ``Conv2DBackpropFilter`` (and the two gradient ``MatMul`` ops) get 1x each.
-  Other backward ops are not counted. ONNX models are inference graphs:
-  forward only.
+  The autograd nodes of other PyTorch ops are charged by
+  :data:`~amanda.tools.flops_formulas.BACKWARD_FORMULAS` per gradient they
+  compute (element-wise: the product with the incoming gradient plus the
+  derivative; normalisations, softmax, attention, reductions, lookups); a
+  backward without a formula (and TF's gradient ops of those ops) is listed in
+  :attr:`FlopsProfiler.unknown_backward`, never counted as zero. ONNX models
+  are inference graphs: forward only.
 * op types without a formula are counted in :attr:`FlopsProfiler.unknown`
   (type -> executions), never silently as zero; ops without arithmetic
   (views, reshapes, copies, lookups) are in :data:`ZERO_FLOP_TYPES`.
@@ -54,10 +59,12 @@ from amanda.tools.flops_formulas import (  # the formula table; public names re-
     RNN_ELEMENTWISE,
     SOFTMAX_TYPES,
     ZERO_FLOP_TYPES,
+    SCATTER_BACKWARD_TYPES,
     _apply,
     _needed_inputs,
     _numel,
     _shape,
+    backward_costs,
     normalise_type,
 )
 from amanda.tools.mapping import MappingTool
@@ -92,20 +99,38 @@ class FlopsProfiler(amanda.Tool):
     Args:
         backward: also count the backward FLOPs of convolutions and matrix
             products (see the module doc for the convention).
+        other_backward: also count the backward of the other PyTorch ops by
+            :data:`~amanda.tools.flops_formulas.BACKWARD_FORMULAS` (what
+            ``amanda flops`` does). Off, the totals are those of
+            ``FlopCounterMode`` (products only) and the other backward ops
+            that ran are listed in :attr:`unknown_backward`.
 
     Attributes:
         unknown: ``Counter`` of op types without a formula -> executions.
+        unknown_backward: ``Counter`` of op types whose backward has no
+            formula (see :data:`~amanda.tools.flops_formulas.BACKWARD_FORMULAS`)
+            -> backward ops of theirs analysed (noted by the analysis, which
+            is cached: no routine runs for them, and :meth:`reset` keeps it).
         records: (namespace, op id) -> dict(name, type, module, flops, calls)
             for every forward op with a nonzero count. For an ONNX op counted
             at run time (shapes not static), ``flops`` is that of its latest
             execution and ``dynamic`` is True.
     """
 
-    def __init__(self, backward=True):
+    def __init__(self, backward=True, other_backward=False):
         super().__init__()
+        self.other_backward = other_backward
         self.depends_on(MappingTool(rules=mapping_rules.RULES))
         self.unknown = Counter()
+        self.unknown_backward = Counter()
         self.records = {}
+        # phase -> module paths with an op counted as unknown (shown as "?")
+        self._unknown_modules = {"forward": set(), "backward": set()}
+        self._unknown_types = {"forward": Counter()}
+        # phase -> executions counted per op type, and modules with one: a 0
+        # that was computed, told apart from a phase that never ran ("-")
+        self._ran = {"forward": Counter(), "backward": Counter()}
+        self._ran_modules = {"forward": set(), "backward": set()}
         self._flops = {"forward": defaultdict(int), "backward": defaultdict(int)}
         self._by_module = {"forward": defaultdict(int), "backward": defaultdict(int)}
         self._dynamic = {}    # key -> (formula, type, module, op, input count)
@@ -126,6 +151,12 @@ class FlopsProfiler(amanda.Tool):
         module = module_path_of(context)
         self._note_module(context, backend, module)
         if op_type in ZERO_FLOP_TYPES:
+            if op_type in SCATTER_BACKWARD_TYPES and backend == "pytorch" \
+                    and context.get_outputs():
+                # no arithmetic forward; its gradient is scattered or summed
+                context["flops"], context["flops_type"] = 0, op_type
+                context["flops_module"] = module
+                context["flops_shape"] = _shape(context.get_outputs()[0])
             return
         formula = FORMULAS.get(op_type)
         flops = None
@@ -136,7 +167,11 @@ class FlopsProfiler(amanda.Tool):
                 return
         if flops is None:
             label = op_type if formula is None else f"{op_type} (shape unknown)"
-            context.insert_after_op(self._count_unknown, outputs=[], label=label)
+            # its backward is unknown too
+            context["flops"], context["flops_type"], context["flops_module"] = 0, op_type, module
+            context["flops_shape"] = None
+            context.insert_after_op(self._count_unknown, outputs=[], label=label,
+                                    op_type=op_type, module=module)
             return
         # PyTorch: analysis runs once per call site; if a later execution
         # there has another output shape, the cached count would be stale, so
@@ -148,6 +183,8 @@ class FlopsProfiler(amanda.Tool):
         context["flops_type"] = op_type
         context["flops_module"] = module
         context["flops_shape"] = shape
+        inputs = context.get_inputs()
+        context["flops_input_shape"] = _shape(inputs[0]) if inputs else None
         if flops == 0:
             return
         key = (context.namespace, context.get_op_id())
@@ -159,7 +196,10 @@ class FlopsProfiler(amanda.Tool):
     def backward_analysis(self, context):
         flops = context.get("flops")
         op_type = context.get("flops_type")
-        if not flops or op_type not in BACKWARD_TYPES:
+        if op_type is None:
+            return     # no arithmetic, forward or backward (views, copies), or not analysed
+        if op_type not in BACKWARD_TYPES or not flops:
+            self._other_backward(context, op_type, flops or 0)
             return
         support = support_for(context.namespace)
         factor = 0 if support is None else support.backward_flop_factor(context.get_backward_op())
@@ -190,6 +230,36 @@ class FlopsProfiler(amanda.Tool):
             context.insert_after_backward_op(self._count_backward, grad_inputs=[],
                                              op_type=op_type, module=module,
                                              flops=factor * flops)
+
+    def _other_backward(self, context, op_type, flops):
+        """The autograd node of an op other than a convolution or matrix
+        product: charged by :data:`~amanda.tools.flops_formulas.BACKWARD_FORMULAS`
+        per gradient it computes; without a formula (or on TF, whose gradient
+        ops are counted by no formula yet) listed in :attr:`unknown_backward`,
+        never zero."""
+        backward_op = context.get_backward_op()
+        name = getattr(backward_op, "name", None) or type(backward_op).__name__
+        if "AccumulateGrad" in str(name):
+            return    # stores a parameter's gradient: no arithmetic on the first step
+        module, shape = context.get("flops_module"), context.get("flops_shape")
+        inputs = context.get("flops_input_shape")
+        support = support_for(context.namespace)
+        pytorch = _backend(context.namespace) == "pytorch" and support is not None
+        costs = None
+        if self.other_backward and pytorch and shape is not None:
+            costs = backward_costs(op_type, _numel(shape),
+                                   None if inputs is None else _numel(inputs), flops)
+        if costs is None:
+            # noted once per backward op analysed (no routine: no cost per step)
+            self.unknown_backward[op_type] += 1
+            self._unknown_modules["backward"].add(module)
+            return
+        key = (context.namespace, context.get_op_id(), str(context.get_backward_op_id()))
+        if op_type not in RNN_ELEMENTWISE:   # an RNN's first gradient is not its output's
+            context.insert_before_backward_op(self._check_backward, grad_outputs=[0], key=key,
+                                              op_type=op_type, numel=_numel(shape))
+        context.insert_after_backward_op(self._count_gradients, key=key, op_type=op_type,
+                                         module=module, costs=costs)
 
     def _note_module(self, context, backend, module):
         """Remember the module's parameters (the op's inputs that are
@@ -237,8 +307,7 @@ class FlopsProfiler(amanda.Tool):
             self.unknown[f"{op_type} (shape changed)"] += 1
             return
         self.records[key]["calls"] += 1
-        self._flops["forward"][op_type] += flops
-        self._by_module["forward"][module] += flops
+        self._add("forward", op_type, module, flops)
 
     def _count_backward(self, *tensors, op_type, module, flops, numel=None):
         # numel, not shape: autograd may see the output through a view (a 3-D
@@ -247,8 +316,7 @@ class FlopsProfiler(amanda.Tool):
                 and tensors[0].numel() != numel:
             self.unknown[f"{op_type} backward (shape changed)"] += 1
             return
-        self._flops["backward"][op_type] += flops
-        self._by_module["backward"][module] += flops
+        self._add("backward", op_type, module, flops)
 
     def _check_backward(self, grad, key, op_type, numel):
         if grad is not None and grad.numel() != numel:
@@ -260,11 +328,26 @@ class FlopsProfiler(amanda.Tool):
             self._skip.discard(key)
             return
         computed = sum(g is not None for g in grads)
-        self._flops["backward"][op_type] += computed * flops
-        self._by_module["backward"][module] += computed * flops
+        self._add("backward", op_type, module, computed * flops)
 
-    def _count_unknown(self, *tensors, label):
+    def _add(self, phase, op_type, module, flops):
+        if flops:
+            self._flops[phase][op_type] += flops
+            self._by_module[phase][module] += flops
+        self._ran[phase][op_type] += 1
+        self._ran_modules[phase].add(module)
+
+    def _count_unknown(self, *tensors, label, op_type=None, module=None):
         self.unknown[label] += 1
+        self._unknown_types["forward"][op_type or label] += 1
+        self._unknown_modules["forward"].add(module)
+
+    def _count_gradients(self, *grads, key, op_type, module, costs):
+        if key in self._skip:
+            self._skip.discard(key)
+            return
+        flops = sum(costs[min(i, len(costs) - 1)] for i, g in enumerate(grads) if g is not None)
+        self._add("backward", op_type, module, flops)
 
     def _stash_shapes(self, *arrays, key):
         self._pending[key] = [tuple(a.shape) for a in arrays]
@@ -280,8 +363,7 @@ class FlopsProfiler(amanda.Tool):
         record = self.records[key]
         record["flops"] = flops
         record["calls"] += 1
-        self._flops["forward"][op_type] += flops
-        self._by_module["forward"][module] += flops
+        self._add("forward", op_type, module, flops)
 
     # -- report --------------------------------------------------------------
     def _phases(self, phase):
@@ -298,6 +380,20 @@ class FlopsProfiler(amanda.Tool):
     def by_type(self, phase="all"):
         """Canonical op type -> FLOPs, largest first."""
         return self._merge(self._flops, phase)
+
+    def unknown_types(self, phase="all"):
+        """Op type -> executions without a FLOP formula in ``phase`` (their
+        counts are not in the totals: shown as ``?``, never as 0)."""
+        merged = Counter()
+        for p in self._phases(phase):
+            merged.update(self.unknown_backward if p == "backward" else self._unknown_types[p])
+        return dict(sorted(merged.items()))
+
+    def ran(self, phase):
+        """Op type -> executions counted in ``phase`` ("forward" or
+        "backward"); a type with a 0 count that is not here never ran in that
+        phase (e.g. no gradient reached it)."""
+        return dict(self._ran[phase])
 
     def by_module(self, phase="all"):
         """Module path (PyTorch; TF: the op's name scope) -> FLOPs, largest
@@ -324,7 +420,11 @@ class FlopsProfiler(amanda.Tool):
 
         Returns:
             A list of dicts ``{"module", "depth", "parameters",
-            "output_shape", "forward", "backward"}``: ``parameters`` counts
+            "output_shape", "forward", "backward", "forward_unknown",
+            "backward_unknown"}`` (``*_unknown``: an op of the module or of a
+            descendant has no formula in that phase, so its count is a lower
+            bound; ``*_ran``: an op of it was counted in that phase):
+            ``parameters`` counts
             the elements of the parameters the module's ops read (each
             once), ``output_shape`` is the shape of the first output of the
             module's last op.
@@ -337,12 +437,18 @@ class FlopsProfiler(amanda.Tool):
                 path = namespace_sep.join(parts[:depth])
                 row = rows.setdefault(path, {"module": path, "depth": depth, "parameters": 0,
                                              "output_shape": None, "forward": 0, "backward": 0,
-                                             "last": -1})
+                                             "forward_unknown": False,
+                                             "backward_unknown": False, "forward_ran": False,
+                                             "backward_ran": False, "last": -1})
                 params.setdefault(path, {}).update(entry["params"])
                 if entry["last"] > row["last"]:
                     row["output_shape"], row["last"] = entry["shape"], entry["last"]
                 for phase in ("forward", "backward"):
                     row[phase] += self._by_module[phase].get(module, 0)
+                    if module in self._unknown_modules[phase]:
+                        row[f"{phase}_unknown"] = True
+                    if module in self._ran_modules[phase]:
+                        row[f"{phase}_ran"] = True
         result = []
         for path, row in rows.items():
             row["parameters"] = sum(params[path].values())
@@ -376,6 +482,11 @@ class FlopsProfiler(amanda.Tool):
         for record in self.records.values():
             record["calls"] = 0
         self.unknown.clear()
+        self._unknown_types["forward"].clear()
+        self._unknown_modules["forward"].clear()
+        for phase in ("forward", "backward"):
+            self._ran[phase].clear()
+            self._ran_modules[phase].clear()
         self._pending.clear()
 
     def table(self, top=None):
@@ -397,6 +508,9 @@ class FlopsProfiler(amanda.Tool):
         if self.unknown:
             listed = ", ".join(f"{t} x{n}" for t, n in sorted(self.unknown.items()))
             lines.append(f"unknown (not counted): {listed}")
+        if self.unknown_backward:
+            listed = ", ".join(f"{t} x{n}" for t, n in sorted(self.unknown_backward.items()))
+            lines.append(f"unknown backward (not counted): {listed}")
         return "\n".join(lines)
 
     def __repr__(self):

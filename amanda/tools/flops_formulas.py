@@ -16,7 +16,8 @@ import math
 from amanda.runtime.tool_support import support_for
 from amanda.tools._shapes import dims
 
-__all__ = ["BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES", "FORMULAS", "MATMUL_TYPES",
+__all__ = ["BACKWARD_FORMULAS", "BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES",
+           "FORMULAS", "MATMUL_TYPES",
            "NORM_TYPES", "REDUCTION_TYPES", "RNN_ELEMENTWISE", "SOFTMAX_TYPES",
            "ZERO_FLOP_TYPES", "normalise_type"]
 
@@ -215,6 +216,95 @@ _ONNX_ALIASES = {"sum": "add", "max": "maximum", "min": "minimum", "mean": "aver
                  "arg_max": "argmax", "arg_min": "argmin",
                  "instance_normalization": "instance_norm",
                  "group_normalization": "group_norm"}
+
+# -- backward of the other ops (PyTorch autograd nodes) ---------------------------------
+#
+# A backward formula gives the FLOPs of each gradient an op's autograd node
+# computes, from the forward op's output elements ``n``, its first input's
+# elements ``n_in`` and its forward FLOPs ``f``: a tuple, one cost per gradient
+# position (the last one repeats for further positions); a gradient autograd
+# does not compute (None: a frozen weight, an integer input) costs nothing.
+# Element-wise ops: the gradient is the incoming one times the derivative, so
+# 1 FLOP for the product plus the derivative's own FLOPs per element.
+
+#: Extra FLOPs per element to evaluate the derivative (beyond the product with
+#: the incoming gradient), from the forward input or output.
+_DERIVATIVE = {
+    # a mask or a constant: only the product (or a select)
+    "relu": 0, "relu6": 0, "leaky_relu": 0, "hardtanh": 0, "clamp": 0, "clip": 0,
+    "clip_by_value": 0, "masked_fill": 0, "where": 0, "select_v2": 0, "dropout_train": 0,
+    "abs": 0, "maximum": 0, "minimum": 0, "elu": 1, "selu": 1, "celu": 1, "prelu": 0,
+    "mul": 0, "imul": 0, "rmul": 0, "neg": 0,
+    # from the output: exp' = y, tanh' = 1 - y^2, sigmoid' = y (1 - y), sqrt' = 0.5 / y
+    "exp": 0, "tanh": 2, "sigmoid": 2, "sqrt": 1, "rsqrt": 2, "reciprocal": 2, "square": 1,
+    # from the input: log' = 1 / x; erf' = 2/sqrt(pi) exp(-x^2); softplus' = sigmoid(x)
+    "log": 1, "erf": 3, "softplus": 3, "pow": 3, "rpow": 2, "silu": 4, "mish": 8,
+    # gelu' = Phi(x) + x phi(x) (erf, exp and 5 arithmetic); tanh form: 2 more
+    "gelu": 7, "gelu_tanh": 9,
+    # a / b: grad_a = g / b, grad_b = -g a / b^2 (3 more)
+    "div": 1, "idiv": 1, "truediv": 1, "itruediv": 1, "rtruediv": 1, "real_div": 1,
+}
+#: Add and subtract pass the incoming gradient through (negated for the
+#: subtrahend): no arithmetic, but for a negation.
+_PASS_THROUGH = {"add", "iadd", "radd", "add_v2", "bias_add", "sub", "isub", "rsub"}
+#: Views and copies whose backward adds: a lookup's gradient is scattered
+#: with an addition per element (embedding, gather), a broadcast's is summed.
+SCATTER_BACKWARD_TYPES = frozenset({"embedding", "gather", "index_select", "expand",
+                                    "expand_as", "repeat", "broadcast_to"})
+
+
+def _elementwise_backward(op_type, n, n_in, f):
+    if op_type in _PASS_THROUGH:
+        return (0, n) if op_type in ("sub", "isub", "rsub") else (0,)
+    if op_type in ("div", "idiv", "truediv", "itruediv", "rtruediv", "real_div"):
+        return (n, 4 * n)
+    derivative = _DERIVATIVE.get(op_type)
+    return None if derivative is None else ((1 + derivative) * n,)
+
+
+def _norm_backward(op_type, n, n_in, f):
+    # input: recompute x-hat, scale by gamma, two means and the combination
+    # (8 per element); gamma: g * x-hat summed (2); beta: g summed (1)
+    return (8 * n_in, 2 * n_in, n_in)
+
+
+def _reduction_backward(op_type, n, n_in, f):
+    if op_type == "sum":                 # an expand: no arithmetic
+        return (0,)
+    if op_type in ("cumsum",):           # a reversed cumulative sum
+        return (n_in,)
+    if op_type in ("argmax", "argmin"):  # no gradient
+        return (0,)
+    return (n_in,)                       # mean, avg pool: divide; max pool: scatter
+
+
+#: Canonical type -> backward(op type, n, n_in, forward FLOPs) -> costs per
+#: gradient position, or None when the formula does not cover that type.
+BACKWARD_FORMULAS = {}
+BACKWARD_FORMULAS.update({t: _elementwise_backward for t in ELEMENTWISE_TYPES})
+BACKWARD_FORMULAS.update({t: _norm_backward for t in NORM_TYPES})
+BACKWARD_FORMULAS.update({t: _reduction_backward for t in REDUCTION_TYPES})
+# softmax: y (g - sum(g y)), 4 per element; log-softmax: g - exp(y) sum(g), 3
+BACKWARD_FORMULAS.update({"softmax": lambda t, n, n_in, f: (4 * n,),
+                          "log_softmax": lambda t, n, n_in, f: (3 * n,)})
+# attention: four products of the size of one of the two forward ones (as
+# FlopCounterMode counts), 2x forward: the gradient of the probabilities and
+# q's (one each), k's and v's
+BACKWARD_FORMULAS["scaled_dot_product_attention"] = lambda t, n, n_in, f: (f, f // 2, f // 2)
+# recurrent layers: like matrix products, 2x forward
+BACKWARD_FORMULAS.update({t: (lambda t, n, n_in, f: (2 * f,)) for t in RNN_ELEMENTWISE})
+BACKWARD_FORMULAS.update({t: (lambda t, n, n_in, f: (n,)) for t in SCATTER_BACKWARD_TYPES})
+
+
+def backward_costs(op_type, n, n_in, flops):
+    """FLOPs per gradient position of ``op_type``'s autograd node, or None
+    (no formula: listed as unknown, never zero)."""
+    formula = BACKWARD_FORMULAS.get(op_type)
+    if formula is None or n is None:
+        return None
+    costs = formula(op_type, n, n_in if n_in is not None else n, flops)
+    return None if costs is None else tuple(max(int(c), 0) for c in costs)
+
 
 def normalise_type(op_type, backend=None):
     """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF

@@ -441,11 +441,26 @@ def to_svg(view, path, title=None):
     Raises:
         RuntimeError: ``dot`` failed.
     """
+    return render(view, path, "svg", title)
+
+
+def render(view, path, fmt, title=None):
+    """Render the view's DOT (:func:`to_dot`) with Graphviz's ``dot`` to
+    ``path`` in ``fmt`` (``svg``, ``png``): one drawing, the same in every
+    format.
+
+    Returns:
+        ``path``, or None when ``dot`` is not installed.
+
+    Raises:
+        RuntimeError: ``dot`` failed.
+    """
     dot = shutil.which("dot")
     if dot is None:
         return None
-    done = subprocess.run([dot, "-Tsvg", "-o", str(path)], input=to_dot(view, title).encode(),
-                          capture_output=True, check=False)
+    options = ["-Gdpi=96"] if fmt == "png" else []
+    done = subprocess.run([dot, f"-T{fmt}", *options, "-o", str(path)],
+                          input=to_dot(view, title).encode(), capture_output=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"dot failed: {done.stderr.decode(errors='replace').strip()}")
     return path
@@ -457,39 +472,57 @@ _CHAR_W, _LINE_H, _PAD, _GAP_X, _GAP_Y = 6.2, 13, 8, 24, 46
 
 
 def _layout(view):
-    """Layered positions: a node's row is its longest path from a source;
+    """Positions ``node id -> (x, y, w, h)``: forward ops (and inputs) on the
+    left, the main chain in one column, the backward ops beside them; on each
+    side a node's row is its longest path from a source on that side, and
     nodes of a row are ordered by the mean column of their sources."""
+    size = {n: (max(len(str(line)) for line in node.label) * _CHAR_W + 2 * _PAD,
+                len(node.label) * _LINE_H + 2 * _PAD) for n, node in view.nodes.items()}
+    positions, left = {}, 20.0
+    for side in ("forward", "backward"):
+        members = {n for n, node in view.nodes.items()
+                   if (node.kind == "backward") == (side == "backward")}
+        if not members:
+            continue
+        edges = [(a, b, label) for a, b, label in view.edges if a in members and b in members]
+        placed = _layered(view, members, edges, size, left)
+        positions.update(placed)
+        left = max(x + w for x, _, w, _ in placed.values()) + 4 * _GAP_X
+    return positions
+
+
+def _layered(view, members, edges, size, left):
     incoming = collections.defaultdict(list)
-    for source, target, _ in view.edges:
+    for source, target, _ in edges:
         incoming[target].append(source)
-    order = _topological(view, incoming)
+    order = [n for n in _topological(view, incoming, edges) if n in members]
     row = {}
     for node_id in order:
         row[node_id] = 1 + max((row.get(s, -1) for s in incoming[node_id]), default=-1)
     rows = collections.defaultdict(list)
     for node_id in order:
         rows[row[node_id]].append(node_id)
-    size = {n: (max(len(str(line)) for line in view.nodes[n].label) * _CHAR_W + 2 * _PAD,
-                len(view.nodes[n].label) * _LINE_H + 2 * _PAD) for n in order}
+    # the first column is as wide as its widest box, boxes centred on it
+    column = max(size[rows[r][0]][0] for r in rows)
     x_of, positions, y = {}, {}, 20.0
     for r in sorted(rows):
-        members = sorted(rows[r], key=lambda n: _mean([x_of[s] for s in incoming[n]
-                                                       if s in x_of], len(x_of)))
-        x = 20.0
-        for n in members:
+        ranked = sorted(rows[r], key=lambda n: _mean([x_of[s] for s in incoming[n]
+                                                      if s in x_of], 0.0))
+        x = left
+        for i, n in enumerate(ranked):
             w, h = size[n]
-            positions[n] = (x, y, w, h)
-            x_of[n] = x + w / 2
-            x += w + _GAP_X
-        y += max(size[n][1] for n in members) + _GAP_Y
+            positions[n] = (x + (column - w) / 2, y, w, h) if i == 0 else (x, y, w, h)
+            x_of[n] = positions[n][0] + w / 2
+            x = (left + column if i == 0 else x + w) + _GAP_X * 2
+        y += max(size[n][1] for n in ranked) + _GAP_Y
     return positions
 
 
-def _topological(view, incoming):
+def _topological(view, incoming, edges=None):
     """Node ids, every source before its targets (ties: insertion order)."""
     pending = {n: len(set(incoming[n])) for n in view.nodes}
     outgoing = collections.defaultdict(set)
-    for source, target, _ in view.edges:
+    for source, target, _ in (view.edges if edges is None else edges):
         outgoing[source].add(target)
     ready = [n for n in view.nodes if pending[n] == 0]
     rank = {n: i for i, n in enumerate(view.nodes)}
@@ -527,8 +560,8 @@ def to_html(view, title="graph"):
         parts.append(f'<path d="M{x1:.0f},{y1:.0f} C{x1:.0f},{y1 + 30:.0f} {x2:.0f},'
                      f'{y2 - 30:.0f} {x2:.0f},{y2:.0f}" stroke="{colour}" fill="none" '
                      'marker-end="url(#arrow)"/>')
-        if label:
-            parts.append(f'<text x="{(x1 + x2) / 2 + 3:.0f}" y="{(y1 + y2) / 2:.0f}" '
+        if label:   # beside the edge where it leaves its source, not across it
+            parts.append(f'<text x="{x1 + 5:.0f}" y="{y1 + 12:.0f}" '
                          f'class="edge">{html.escape(label)}</text>')
     for node_id, node in view.nodes.items():
         x, y, w, h = positions[node_id]
@@ -556,7 +589,8 @@ body {{ margin: 0; font-family: Helvetica, Arial, sans-serif; }}
 header {{ padding: 6px 10px; background: #f4f4f4; border-bottom: 1px solid #ccc; font-size: 13px; }}
 .key {{ display: inline-block; width: 12px; height: 12px; border: 1px solid #445; margin: 0 3px 0 12px; vertical-align: middle; }}
 svg {{ display: block; width: 100vw; height: calc(100vh - 32px); cursor: grab; }}
-text {{ font-size: 10px; fill: #222; }} text.edge {{ font-size: 8px; fill: #777; }}
+text {{ font-size: 10px; fill: #222; }}
+text.edge {{ font-size: 9px; fill: #555; paint-order: stroke; stroke: #fff; stroke-width: 3px; }}
 </style></head><body>
 <header><b>{title}</b> &nbsp; {legend}
 <span class="key" style="background:#dbe9f7"></span>forward
