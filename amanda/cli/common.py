@@ -213,11 +213,8 @@ def missing_extra_message(command, error):
 
 
 def _installed(module):
-    import importlib.util
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):   # a parent missing; sys.modules[name] = None
-        return False
+    from amanda.runtime.backends import installed
+    return installed(module)
 
 
 def spec_modules(spec):
@@ -246,16 +243,11 @@ def require_modules(command, modules):
 
 def _require(module, command, what):
     """Import ``module`` or fail naming the missing piece."""
-    import importlib
-    import importlib.util
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ImportError:
-        found = False
-    if not found:
+    from amanda.runtime.backends import load
+    if not _installed(module):
         raise MissingPiece(f"`amanda {command}` needs {what} ({module}), which is not "
                            "installed in this tree")
-    return importlib.import_module(module)
+    return load(module)
 
 
 def _load(spec, command, frameworks=("pytorch", "tensorflow", "onnx")):

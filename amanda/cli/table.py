@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import textwrap
@@ -64,7 +63,8 @@ def use_rich(stream=None):
     stream = sys.stdout if stream is None else stream
     if os.environ.get("AMANDA_PLAIN") or not getattr(stream, "isatty", lambda: False)():
         return False
-    return importlib.util.find_spec("rich") is not None
+    from amanda.runtime.backends import installed
+    return installed("rich")
 
 
 def format_plain(table):

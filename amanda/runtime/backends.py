@@ -31,7 +31,7 @@ from amanda.errors import BackendError
 from amanda.ir import targets as _targets
 
 __all__ = ["Backend", "active", "all_backends", "for_model", "for_namespace",
-           "for_program", "for_value", "get", "installed", "load", "load_source",
+           "for_program", "for_value", "get", "installed", "load", "load_skipping_package", "load_source",
            "load_target_provider", "register", "unregister"]
 
 #: Packages whose import registers a built-in backend. They import no
@@ -209,8 +209,28 @@ def installed(module):
     """Whether ``module`` can be imported (found without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
+    except (ImportError, ValueError):   # a parent missing; sys.modules[name] = None
         return False
+
+
+def load_skipping_package(name):
+    """Import the module ``name`` (``package.module``) without running its
+    package's ``__init__`` where the package is not imported yet (that
+    ``__init__`` may import a framework the module does not need); the
+    package is left unimported. A package already imported is used as it is.
+
+    Raises:
+        ImportError: the module cannot be imported.
+    """
+    package = name.rpartition(".")[0]
+    spec = None if package in sys.modules else importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return load(name)   # imported already, or not installed: the ImportError it raises
+    sys.modules[package] = importlib.util.module_from_spec(spec)   # not executed
+    try:
+        return load(name)
+    finally:
+        del sys.modules[package]
 
 
 def load_source(name, path):

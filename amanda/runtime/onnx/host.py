@@ -26,6 +26,7 @@ import onnxruntime as ort
 from amanda.errors import BackendError, ToolError
 from amanda.frontends.onnx import load_model
 from amanda.runtime import host
+from amanda.runtime.backends import load_skipping_package
 from amanda.runtime.routines import call_routine
 
 #: Domain of the custom ops that host Python routines.
@@ -68,24 +69,13 @@ def extensions():
     out of ``sys.modules`` again: a later ``import onnxruntime_extensions``
     runs the real ``__init__``, which reuses this same ``_ocos`` (one op
     table, one invocation hook)."""
-    import importlib
-    import importlib.util
     import sys
     name = f"{_EXTENSIONS}._ocos"
     found = sys.modules.get(name)
     if found is not None:
         return found
     with _EXTENSIONS_LOCK:
-        if _EXTENSIONS in sys.modules:
-            return importlib.import_module(name)
-        spec = importlib.util.find_spec(_EXTENSIONS)
-        if spec is None or not spec.submodule_search_locations:
-            return importlib.import_module(name)   # not installed: the ImportError it raises
-        sys.modules[_EXTENSIONS] = importlib.util.module_from_spec(spec)   # not executed
-        try:
-            return importlib.import_module(name)
-        finally:
-            del sys.modules[_EXTENSIONS]
+        return load_skipping_package(name)
 
 
 def _hosted_dtypes():

@@ -147,7 +147,7 @@ import shlex
 
 from amanda import cli
 
-CLI_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+CLI_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def _doc_commands():

@@ -14,7 +14,7 @@ from amanda import cli
 from amanda.cli import table as cli_table
 from amanda.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _without(modules, argv):

@@ -14,7 +14,7 @@ import pytest
 from amanda import cli
 from amanda.cli import common, main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_distribution_has_a_name_of_its_own():
