@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test bench clean wheel-smoke figures
+.PHONY: demo test test-core bench clean wheel-smoke figures
 
 # pip's output goes to $(VENV)/install.log, shown only when the install fails
 $(STAMP): pyproject.toml constraints.txt
@@ -27,10 +27,25 @@ demo: $(STAMP)
 # tests run in a process of their own, so no single process holds the
 # memory of the whole suite. The compiled real-model sweep runs in a process
 # of its own too, so that Dynamo's caches start empty for it
-test: $(STAMP)
+test: $(STAMP) test-core
 	$(BIN)/python -m pytest -q --ignore=tests/tensorflow --ignore=tests/pytorch/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/pytorch/test_compiled_sweep.py
 	$(BIN)/python -m pytest -q tests/tensorflow
+
+# The framework-free tests (the IR, the passes and a toy backend, the
+# structure rules) in a venv of their own with amanda's core and the test
+# tools only: it checks first that no framework is importable there.
+CORE := build/venv-core
+FREE_TESTS := tests/ir tests/passes tests/test_structure.py tests/test_layering.py tests/test_loc.py
+test-core:
+	@mkdir -p build
+	@test -x $(CORE)/bin/python || $(PYTHON) -m venv $(CORE)
+	@$(CORE)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt \
+		-e . pytest hypothesis > $(CORE).log 2>&1 || { cat $(CORE).log; exit 1; }
+	$(CORE)/bin/python -c "import importlib.util as u, sys; \
+		found = [m for m in ('torch', 'tensorflow', 'onnx', 'onnxruntime') if u.find_spec(m)]; \
+		print('framework-free venv:', found or 'no framework'); sys.exit(bool(found))"
+	$(CORE)/bin/python -m pytest -q -p no:cacheprovider $(FREE_TESTS)
 
 # The package as a user gets it: build the sdist and wheel, install the wheel
 # with only the torch extra into a fresh venv (through constraints.txt, so

@@ -155,3 +155,24 @@ def test_the_rules_see_what_they_look_for():
                             MODULES["amanda.runtime.pytorch.eager.mode"]))
     assert any(t == "amanda.runtime.pytorch.eager.sites" for t, _, _ in imports)
     assert _cycles(), "the IR's own modules import each other in a cycle: the scan must see it"
+
+
+def test_modules_are_imported_by_name_in_one_place():
+    """One registry resolves backends: ``importlib`` (and ``__import__``)
+    appear only in :mod:`amanda.runtime.backends`."""
+    found = []
+    for module, path in MODULES.items():
+        if module == "amanda.runtime.backends":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Name) and node.id == "__import__":
+                names = ["__import__"]
+            found += [f"{module}:{node.lineno}" for name in names
+                      if name.split(".")[0] in ("importlib", "__import__")]
+    assert not found, f"imports by name outside the registry: {found}"
