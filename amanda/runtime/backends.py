@@ -31,7 +31,7 @@ from amanda.errors import BackendError
 from amanda.ir import targets as _targets
 
 __all__ = ["Backend", "active", "all_backends", "for_model", "for_namespace",
-           "for_program", "for_value", "get", "installed", "load", "load_skipping_package", "load_source",
+           "for_program", "for_value", "get", "installed", "lazy_names", "load", "load_skipping_package", "load_source",
            "load_target_provider", "register", "unregister"]
 
 #: Packages whose import registers a built-in backend. They import no
@@ -110,6 +110,18 @@ def load(reference):
     module, _, attribute = reference.partition(":")
     loaded = importlib.import_module(module)
     return getattr(loaded, attribute) if attribute else loaded
+
+
+def lazy_names(package, table):
+    """A module-level ``__getattr__`` for a backend package (PEP 562): each
+    name of ``table`` (name -> the module defining it) is loaded from its
+    module on first read, so the package itself imports no framework."""
+    def __getattr__(name):
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(load(module), name)
+    return __getattr__
 
 
 def register(backend):

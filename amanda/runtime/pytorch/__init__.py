@@ -45,7 +45,7 @@ first used. The eager path's modules (see "How the runtime is organised" in
 
 from __future__ import annotations
 
-from amanda.runtime.backends import Backend, load, register
+from amanda.runtime.backends import Backend, lazy_names, register
 
 BACKEND = register(Backend(
     name="pytorch",
@@ -75,8 +75,4 @@ _PUBLIC = {
 __all__ = ["BACKEND", *_PUBLIC]
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(load(module), name)
+__getattr__ = lazy_names(__name__, _PUBLIC)

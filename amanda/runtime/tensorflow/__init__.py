@@ -40,7 +40,7 @@ framework: its public names load, with TensorFlow, when first read.
 
 from __future__ import annotations
 
-from amanda.runtime.backends import Backend, load, register
+from amanda.runtime.backends import Backend, lazy_names, register
 
 BACKEND = register(Backend(
     name="tensorflow",
@@ -71,8 +71,4 @@ _PUBLIC = {
 __all__ = ["BACKEND", "NAMESPACE", "current_session", "evaluate"]
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(load(module), name)
+__getattr__ = lazy_names(__name__, _PUBLIC)
