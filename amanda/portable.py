@@ -249,8 +249,12 @@ def _per_channel(value, x, axis):
 
 
 def _shape_probe(value):
+    """An array of ``value``'s rank (and shape, where known: unknown sizes
+    are 1), for rank and size tests; scalars and arrays are themselves."""
     shape = getattr(value, "shape", None)
-    return np.empty(tuple(shape)) if shape is not None else np.asarray(value)
+    if shape is None:
+        return np.asarray(value)
+    return np.empty(tuple(d if _known(d) else 1 for d in shape))
 
 
 def quantize(x, scale, zero_point, dtype="int8", axis=None):
@@ -462,15 +466,31 @@ def _promote(dtypes):
         return known[0]
 
 
+def _known(dim):
+    return isinstance(dim, (int, np.integer)) and dim >= 0
+
+
 def _broadcast(shapes):
-    """Broadcast shape: an unknown size (None) stays None unless a known size != 1 fixes it."""
+    """The broadcast shape of traced tensors; a dimension the backend does
+    not know (None: ONNX ``dim_param``, TF's unknown sizes) stays None unless
+    a known size other than 1 decides it (broadcasting makes it that size
+    or fails at run time, as the hosted routine would)."""
     if any(s is None for s in shapes):
         return None
-    rank = max(map(len, shapes), default=0)
-    columns = [set(dims) - {1} for dims in zip(*[[1] * (rank - len(s)) + list(s) for s in shapes])]
-    if any(len(c - {None}) > 1 for c in columns):
-        raise PortableError(f"shapes {shapes} do not broadcast")
-    return [int(min(c - {None})) if c - {None} else None if None in c else 1 for c in columns]
+    rank = max((len(s) for s in shapes), default=0)
+    result = []
+    for i in range(1, rank + 1):
+        dims = [s[-i] for s in shapes if len(s) >= i]
+        sizes = {int(d) for d in dims if _known(d) and d != 1}
+        if len(sizes) > 1:
+            raise PortableError(f"shapes {shapes} do not broadcast")
+        if sizes:
+            result.append(sizes.pop())
+        elif all(_known(d) for d in dims):
+            result.append(1)
+        else:
+            result.append(None)
+    return result[::-1]
 
 
 class _Tracer:
