@@ -22,8 +22,12 @@ hooks (which track the modules being called) are removed when the outermost
 ``apply`` scope exits.
 
 The code is split along its seams (see "How the runtime is organised"
-in ``docs/pytorch-eager.md``); this module is the entry point and re-exports
-the names other modules, tests and docs use:
+in ``docs/pytorch-eager.md``); this package is the PyTorch backend's runtime:
+``eager/`` (the driver above), ``compiled/`` (``torch.compile``), ``capture``
+(``torch.export`` graphs), ``export`` (``amanda.export`` to ONNX), ``tools``
+(what the built-in tools read, with the pruning projects' torch code),
+``portable_ops``, ``distributed`` and ``examples``. This module is the entry
+point and re-exports the names other modules, tests and docs use:
 
 * :mod:`~amanda.runtime.pytorch.eager.sites`: which calls are points, calling sites;
 * :mod:`~amanda.runtime.pytorch.eager.records`: op records, the session cache,
@@ -36,22 +40,44 @@ the names other modules, tests and docs use:
 * :mod:`~amanda.runtime.pytorch.eager.backward`: the autograd walk and node hooks;
 * :mod:`~amanda.runtime.pytorch.eager.driver`: ``DRIVER``, the global module hooks,
   the backward engine entry and ``torch.compile``.
+
+The re-exports are loaded on first use (``__getattr__``), so importing a
+module of this package that imports no torch (``tools``, ``pruning_*``,
+``distributed``, ``examples``) still imports no torch, as when they were
+``runtime/pytorch_*.py`` modules beside this one.
 """
 
 from __future__ import annotations
 
+import importlib
+
 # every name other modules, tests and docs read from here (the per-thread
 # state, the module hook, the export hooks, the straight-through function...)
-# is the object defined once in its module
-from amanda.runtime.pytorch.eager.backward import _install_backward, _walk_new_nodes  # noqa: F401
-from amanda.runtime.pytorch.eager.driver import (  # noqa: F401
-    DRIVER, TorchEagerDriver, _module_post_hook, _module_pre_hook, evaluate)
-from amanda.runtime.pytorch.eager.mode import WRAPPER_MODULES, _Mode, _module_path, _run_op  # noqa: F401
-from amanda.runtime.pytorch.eager.records import (  # noqa: F401
-    BackwardOp, _Cache, _OpRecord, _stable_id, _StraightThrough, resolve_straight_through)
-from amanda.runtime.pytorch.eager.routines import EXPORTING  # noqa: F401
-from amanda.runtime.pytorch.eager.segments import _checkpoint_role, _Segment, _state, _tls  # noqa: F401
-from amanda.runtime.pytorch.eager.sites import _FUNCS, _QUERIES, NAMESPACE  # noqa: F401
+# is the object defined once in its module of eager/: name -> that module
+_EXPORTS = {
+    **dict.fromkeys(["_install_backward", "_walk_new_nodes"], "backward"),
+    **dict.fromkeys(["DRIVER", "TorchEagerDriver", "_module_post_hook", "_module_pre_hook",
+                     "evaluate"], "driver"),
+    **dict.fromkeys(["WRAPPER_MODULES", "_Mode", "_module_path", "_run_op"], "mode"),
+    **dict.fromkeys(["BackwardOp", "_Cache", "_OpRecord", "_stable_id", "_StraightThrough",
+                     "resolve_straight_through"], "records"),
+    **dict.fromkeys(["EXPORTING"], "routines"),
+    **dict.fromkeys(["_checkpoint_role", "_Segment", "_state", "_tls"], "segments"),
+    **dict.fromkeys(["_FUNCS", "_QUERIES", "NAMESPACE"], "sites"),
+}
 
 __all__ = ["DRIVER", "EXPORTING", "NAMESPACE", "WRAPPER_MODULES", "BackwardOp",
            "TorchEagerDriver", "evaluate", "resolve_straight_through"]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:   # a submodule not imported yet is found by the import system
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.eager.{module}"), name)
+    globals()[name] = value   # looked up directly from now on
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
