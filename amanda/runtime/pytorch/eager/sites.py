@@ -4,7 +4,7 @@ Which calls are instrumentation points (``_classify``: queries such as
 ``size`` and most property reads are not), and the frame that identifies an
 op (``_calling_site``: the first frame outside torch's internals and amanda's
 runtime, never above the module call that runs it). Also the constants the
-other ``pytorch_*`` modules of the eager driver share (``NAMESPACE``, the
+other modules of the eager driver (``eager/``) share (``NAMESPACE``, the
 controls, autograd's sequence numbers). Part of :mod:`amanda.runtime.pytorch`.
 """
 
