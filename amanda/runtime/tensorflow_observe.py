@@ -42,6 +42,8 @@ _V1_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefE
                       "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
                       "ControlTrigger"})
 
+_PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
+
 _OBSERVING = ("before_op", "after_op", "before_backward_op", "after_backward_op")
 
 
@@ -389,13 +391,19 @@ def whole_points(rewrite, elements, fed_names, fetched_names=frozenset()):
             if user_op._is_stateful or user_op.type == "Placeholder" or name in fed_ops:
                 refused.add(name)   # running it would change state, or it never runs
                 continue
+            more = [rewrite.operation(name), *rewrite._after_ops.get(name, ())]
+            trial = _executed([*elements, *forced, *more], fed_names)
+            copy = rewrite.copy
+            if any(copy.get_operation_by_name(n).type in _PLACEHOLDERS
+                   for n in trial - executed):
+                refused.add(name)   # it reads a placeholder this run does not feed
+                continue
             whole.add(name)
-            forced.append(rewrite.operation(name))
-            forced.extend(rewrite._after_ops.get(name, ()))
+            forced.extend(more)
+            executed = trial
             added = True
         if not added:
             return executed, list(dict.fromkeys(forced)), frozenset(whole)
-        executed = _executed([*elements, *forced], fed_names)
 
 
 def _executed(mapped, fed_names):
