@@ -257,7 +257,7 @@ class _Observers:
         if rewrite is None:
             executed, forced, whole = _executed(mapped, fed_names), [], frozenset()
         else:
-            executed, forced, whole = whole_points(rewrite, mapped, fed_names, fetched_names)
+            executed, forced, whole = whole_points(rewrite, mapped, fed_names)
         extra, positions, targets, calls = [], {}, list(forced), []
         waited = sorted(self.by_edges & executed)
         if waited:
@@ -350,7 +350,7 @@ def _nbytes(tensor):
     return count * size
 
 
-def whole_points(rewrite, elements, fed_names, fetched_names=frozenset()):
+def whole_points(rewrite, elements, fed_names):
     """``(executed, forced, whole)`` for a run of ``elements`` (the copy's
     tensors and ops) with the copy's tensors ``fed_names`` fed: the names
     of the copy's ops it executes, the copy's ops to run as extra targets,
