@@ -17,7 +17,6 @@ dense head); the Keras applications the identity sweep knows run as slow
 tests (32x32 inputs, batch 2).
 """
 
-import os
 
 import numpy as np
 import pytest
