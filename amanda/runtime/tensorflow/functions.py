@@ -58,13 +58,17 @@ class _FunctionCopy:
 
 
 def _by_edges(rewrite, elements, feeds):
-    """The copy's callbacks in `_Observers.by_edges` that running
-    ``elements`` with ``feeds`` fed executes, in name order."""
-    from amanda.runtime.tensorflow.observe import _executed
-    executed = _executed(elements, frozenset(t.name for t in feeds))
+    """The copy's ops that a run of ``elements`` with ``feeds`` fed must
+    have as control outputs: the ops whose points run without them being
+    needed (`whole_points`), then the callbacks in `_Observers.by_edges`
+    it executes, in name order."""
+    from amanda.runtime.tensorflow.observe import whole_points
+    executed, forced, _ = whole_points(rewrite, elements, frozenset(t.name for t in feeds))
     copy = rewrite.copy
-    return [copy.get_operation_by_name(name)
-            for name in sorted(rewrite.observers.by_edges & executed)]
+    ops = forced + [copy.get_operation_by_name(name)
+                    for name in sorted(rewrite.observers.by_edges & executed)]
+    named = {op.name for op in elements if hasattr(op, "node_def")}
+    return [op for op in dict.fromkeys(ops) if op.name not in named]
 
 
 def _patched_call_flat(self, tensor_inputs, captured_inputs):

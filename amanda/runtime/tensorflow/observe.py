@@ -42,6 +42,8 @@ _V1_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefE
                       "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
                       "ControlTrigger"})
 
+_PLACEHOLDERS = frozenset({"Placeholder", "PlaceholderV2"})
+
 _OBSERVING = ("before_op", "after_op", "before_backward_op", "after_backward_op")
 
 
@@ -49,10 +51,12 @@ class _Fetched:
     """One routine called after the run."""
 
     __slots__ = ("action", "where", "tensors", "after", "origins", "index", "readers",
-                 "fetch_names", "also_run", "waits")
+                 "fetch_names", "also_run", "waits", "target")
 
-    def __init__(self, action, where, tensors, after, origins, index, also_run, waits=None):
+    def __init__(self, action, where, tensors, after, origins, index, also_run, waits=None,
+                 target=None):
         self.action = action
+        self.target = target            # the user's op it instruments
         self.where = where
         self.tensors = tensors          # names of the copy's tensors it reads
         self.after = after              # an after point: fetching its tensor runs it
@@ -91,8 +95,17 @@ class _Observers:
         # routines, and those that can only return None): `plan` names them
         # as a run's targets where the run executes them
         self.by_edges = set()
+        # copy op running a hosted or native routine -> the user's op whose
+        # point it is (`whole_points`)
+        self.point_of = {}
 
     # -- while the graph is rewritten ---------------------------------------------
+
+    def note_point(self, names, target):
+        """The copy's ops ``names`` run a routine at a point of the user's op
+        ``target``."""
+        for name in names:
+            self.point_of[name] = target
 
     def takes(self, op, action, inputs, portable):
         """Whether the routine of IR routine ``op`` is called after the run."""
@@ -141,7 +154,7 @@ class _Observers:
             action, where, [self._read(rewrite.copy, t) if _crosses_to_python(t.dtype) else None
                             for t in inputs], after,
             [_origin(t) for t in op.inputs], len(self.records), [o.name for o in also_run],
-            _bare_after_waits(rewrite, target) if after else None)
+            _bare_after_waits(rewrite, target) if after else None, target.name)
         tensors = rewrite.realised[action] = list(inputs)
         rewrite._record_final(op, tensors)
         return True
@@ -223,7 +236,7 @@ class _Observers:
 
     # -- at each run ----------------------------------------------------------------
 
-    def plan(self, copy, mapped, fetched_names, fed_names, gate):
+    def plan(self, copy, mapped, fetched_names, fed_names, gate, rewrite=None):
         """``(extra tensors to fetch, extra ops to run, calls)`` for a run of
         ``mapped`` (the copy's tensors and ops) fetching the user's tensors
         ``fetched_names`` with the copy's tensors ``fed_names`` fed; a call
@@ -241,13 +254,17 @@ class _Observers:
         found = self._plans.get(key)
         if found is not None:
             return found
-        executed = _executed(mapped, fed_names)
-        extra, positions, targets, calls = [], {}, [], []
+        if rewrite is None:
+            executed, forced, whole = _executed(mapped, fed_names), [], frozenset()
+        else:
+            executed, forced, whole = whole_points(rewrite, mapped, fed_names)
+        extra, positions, targets, calls = [], {}, list(forced), []
         waited = sorted(self.by_edges & executed)
         if waited:
             targets.extend(gate([copy.get_operation_by_name(name) for name in waited]))
         for record in sorted(self.records.values(), key=lambda r: r.index):
-            if not (record.readers & executed or record.fetch_names & fetched_names):
+            if not (record.readers & executed or record.fetch_names & fetched_names
+                    or record.target in whole):
                 continue
             slots = []
             for name in record.tensors:
@@ -331,6 +348,62 @@ def _nbytes(tensor):
     except TypeError:
         size = 0
     return count * size
+
+
+def whole_points(rewrite, elements, fed_names):
+    """``(executed, forced, whole)`` for a run of ``elements`` (the copy's
+    tensors and ops) with the copy's tensors ``fed_names`` fed: the names
+    of the copy's ops it executes, the copy's ops to run as extra targets,
+    and the user's ops those make run (all their points run).
+
+    Rule: an op one of whose points runs in a run runs in it, with every
+    point it has. A before-routine's results are read by more than its op:
+    a backward op reads a forward input through the forward op's
+    before-routines (the IR's rule), and an observing routine is waited on
+    by its readers. When the forward op itself is not needed (the loss's
+    ``y * y`` when only gradients are returned, a ``Conv2DBackpropInput``
+    of the model's input), TensorFlow prunes it, and its before-routines
+    ran without its after-routines: a counting tool saw one more before
+    than after per step on every Keras model. Such an op (stateless, not
+    fed, outside v1 control flow, whose frames a target may not cross) is
+    run as a target of the run, and so are its after-routines.
+    """
+    executed = _executed(elements, fed_names)
+    observers = rewrite.observers
+    if rewrite._has_v1_flow() or not (observers.point_of or observers.records):
+        return executed, [], frozenset()
+    graph = rewrite.user_graph
+    fed_ops = {name.split(":")[0] for name in fed_names}
+    forced, whole, refused = [], set(), set()
+    while True:
+        targets = {observers.point_of[n] for n in executed if n in observers.point_of}
+        targets.update(r.target for r in observers.records.values()
+                       if r.target is not None and not r.after and r.readers & executed)
+        missing = sorted(t for t in targets
+                         if t not in executed and t not in whole and t not in refused)
+        added = False
+        for name in missing:
+            try:
+                user_op = graph.get_operation_by_name(name)
+            except KeyError:
+                refused.add(name)
+                continue
+            if user_op._is_stateful or user_op.type == "Placeholder" or name in fed_ops:
+                refused.add(name)   # running it would change state, or it never runs
+                continue
+            more = [rewrite.operation(name), *rewrite._after_ops.get(name, ())]
+            trial = _executed([*elements, *forced, *more], fed_names)
+            copy = rewrite.copy
+            if any(copy.get_operation_by_name(n).type in _PLACEHOLDERS
+                   for n in trial - executed):
+                refused.add(name)   # it reads a placeholder this run does not feed
+                continue
+            whole.add(name)
+            forced.extend(more)
+            executed = trial
+            added = True
+        if not added:
+            return executed, list(dict.fromkeys(forced)), frozenset(whole)
 
 
 def _executed(mapped, fed_names):

@@ -315,6 +315,7 @@ class _GraphRewrite:
                 tensors = self._native(action, where, inputs, like, replacing, user_target)
             changed = [t for t, o in zip(tensors, like) if t is not o]
             self.observers.ran_by[action] = [t.op.name for t in changed]
+            self.observers.note_point(self.observers.ran_by[action], name)
             if kind.startswith("after"):
                 self._after_ops.setdefault(name, []).extend(t.op for t in changed)
             self.realised[action] = tensors
@@ -373,6 +374,7 @@ class _GraphRewrite:
         if routine is not None:
             self.emitter.fresh.add(routine)
             self.observers.ran_by[action] = [routine.name]
+            self.observers.note_point([routine.name], name)
             self._note_reads(routine, [_origin(t) for t in op.inputs])
         self.realised[action] = tensors
         self._record_final(op, tensors)

@@ -74,8 +74,9 @@ class _Shadow:
             observers = self.rewrite.observers
             extra, targets, calls = (observers.plan(
                 self.copy, mapped, frozenset(t.name for t in tensors),
-                frozenset(t.name for t in feeds), self.rewrite.emitter.gate)
-                if observers.records or observers.by_edges else ((), (), ()))
+                frozenset(t.name for t in feeds), self.rewrite.emitter.gate, self.rewrite)
+                if observers.records or observers.by_edges or observers.point_of
+                else ((), (), ()))
             self._check_state(mapped, feeds)
             self.sync.writes.ran(mapped)
             with _surface():
