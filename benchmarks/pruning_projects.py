@@ -284,8 +284,13 @@ def run_tile_wise(epochs=10, finetune=4, batch=32):
             right += int((logits.argmax(1) == yte[start:start + batch]).sum())
         return right / (len(yte) // batch * batch)
 
+    # one thread each way: TF's parallel reductions otherwise round in the
+    # order the threads finish, and the accuracies moved by up to 4 points
+    # between runs on a loaded machine
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=1)
     net = keras_vgg_style_graph(batch=batch)
-    dense_session = tf.compat.v1.Session(graph=net["graph"])
+    dense_session = tf.compat.v1.Session(graph=net["graph"], config=config)
     dense_session.run(net["init"])
     steps(net, dense_session, epochs)
     trained = dense_session.run(net["variables"])
@@ -298,7 +303,7 @@ def run_tile_wise(epochs=10, finetune=4, batch=32):
         tf.compat.v1.train.SessionRunContext((net["train"],), s), None))
     result["baseline"] = accuracy(net, dense_session)
     ours = keras_vgg_style_graph(batch=batch)   # its own graph (see the tests)
-    session = tf.compat.v1.Session(graph=ours["graph"])
+    session = tf.compat.v1.Session(graph=ours["graph"], config=config)
     session.run(ours["init"])
     ours["assign"](session, trained)
     tool = TileWisePruner(0.5, tile=16)

@@ -34,4 +34,13 @@ def test_amanda_tool_trains_to_the_accuracy_of_its_baseline(project, one_thread)
     assert result["amanda"] == pytest.approx(result["baseline"], abs=1e-6), result
     recorded = RECORDED[project]
     for key in ("dense", "baseline", "amanda"):
-        assert result[key] == pytest.approx(recorded[key], abs=0.03), (key, result, recorded)
+        assert result[key] == pytest.approx(recorded[key], abs=TOLERANCE.get(project, 0.03)), \
+            (key, result, recorded)
+
+
+#: Projects whose fine-tuned accuracy moves between processes by more than
+#: a few test samples: the tile-wise run's baseline (and amanda, equal to it
+#: in every run) gave 0.932, 0.940, 0.960 and 0.972 in four processes on
+#: 2026-11-29 (TF sessions of one thread each; the pruning order follows
+#: Python's hashing of the kernels' names, which changes per process)
+TOLERANCE = {"tile_wise": 0.05}

@@ -146,7 +146,7 @@ def _swapped(originals, tensors, slots, writes, probe=None):
             continue
         declared = bool(writes) and _declared(writes, slot)
         snapshot = (probe, slot, new.detach().clone()) if probe is not None and not declared \
-            else None
+            and new.layout is torch.strided and not new.is_nested else None
         entries.append([old, new, _version_of(new), declared, snapshot])
     return entries
 
@@ -265,8 +265,8 @@ def _same_bits(a, b):
         if torch.equal(a, b):
             return True
         return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else False
-    except (RuntimeError, TypeError, NotImplementedError):
-        return True      # cannot be compared (sparse, nested): nothing seen
+    except Exception:   # noqa: BLE001 - cannot be compared: nothing seen
+        return True
 
 
 def _declared(writes, slot):
