@@ -36,7 +36,13 @@ _SCAN_BODY = ("a routine that may replace a tensor inside a Scan body whose outp
               "shapes onnx cannot infer is refused with a clear error: onnxruntime "
               "runs such a body only when it knows them (docs/onnx.md, Limits)",
               "whose outputs' shapes the model does not declare")
+_LOOP_BODY = ("the same refusal for a Loop body (Range's function expansion) whose "
+              "outputs' shapes onnx cannot infer",
+              "whose outputs' shapes the model does not declare")
 EXPECTED_FAILURES = {
+    **{f"test_range_{name}_expanded": _LOOP_BODY for name in (
+        "bfloat16_type_positive_delta", "float16_type_positive_delta",
+        "float_type_positive_delta", "int32_type_negative_delta")},
     **{f"test_linear_attention_{name}_expanded": _SCAN_BODY for name in (
         "decode_step", "delta", "explicit_scale", "fp16", "gated_delta_beta_scalar",
         "gated_delta", "gated_delta_gqa", "gated_delta_mqa", "gated", "gated_per_head_decay",
@@ -87,12 +93,20 @@ def test_quick_case(quick_cases, name):
     assert not _judge(name, outcome)
 
 
+#: the slow test runs every SAMPLE-th case (sorted by name), the expected
+#: failures and the quick subset: every case takes ~15 minutes on two shared
+#: cores (``python -m tests.onnx.node_sweep_cases`` runs them all)
+SAMPLE = 2
+
+
 @pytest.mark.slow
 def test_node_sweep():
     start = time.perf_counter()
     every = sweep.cases()
+    chosen = {n: c for i, (n, c) in enumerate(every.items())
+              if i % SAMPLE == 0 or n in EXPECTED_FAILURES or n in QUICK}
     failures, skipped, passed = {}, [], 0
-    for name, case in every.items():
+    for name, case in chosen.items():
         outcome = _outcome(case)
         if isinstance(outcome, str):
             skipped.append(name)
@@ -102,8 +116,8 @@ def test_node_sweep():
             failures[name] = unexpected
         elif outcome is None:
             passed += 1
-    print(f"{len(every)} cases, {len(skipped)} not run by plain onnxruntime, {passed} passed, "
-          f"{len(every) - len(skipped) - passed} expected failures, "
+    print(f"{len(chosen)} of {len(every)} cases, {len(skipped)} not run by plain onnxruntime, "
+          f"{passed} passed, {len(chosen) - len(skipped) - passed} expected failures, "
           f"{time.perf_counter() - start:.0f}s")
     assert not failures, failures
     assert not set(EXPECTED_FAILURES) - set(every), "expected failures of unknown cases"
@@ -197,3 +211,14 @@ def test_replacing_routines_before_a_function_op_onnxruntime_expands(name):
     outputs"). They are now declared, those of the tensors they replace."""
     case = sweep.cases(("causal_conv_with_state", "linear_attention"))[name]
     assert sweep.check(case, tools=("identity",)) is None
+
+
+def test_observing_a_model_onnxruntime_inlines_a_function_of_twice():
+    """An observe-only session builds on the model onnxruntime optimised and
+    saved, which keeps the names onnxruntime gave an inlined function's
+    values (``_inlfunc_Softmax_axes``); loading it, onnxruntime inlined the
+    float16 ``Softmax`` still left and made them again: "AddInitializedTensor
+    already has tensor" (a float16 Attention expansion plain onnxruntime
+    loads). Those names are renamed in the optimised model."""
+    case = sweep.cases(("attention",))["test_attention_4d_fp16_expanded"]
+    assert sweep.check(case, tools=("observe",)) is None
