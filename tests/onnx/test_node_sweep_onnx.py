@@ -94,8 +94,9 @@ def test_quick_case(quick_cases, name):
 
 
 #: the slow test runs every SAMPLE-th case (sorted by name), the expected
-#: failures and the quick subset: every case takes ~15 minutes on two shared
-#: cores (``python -m tests.onnx.node_sweep_cases`` runs them all)
+#: failures and the quick subset (959 cases, ~6 minutes on two shared cores):
+#: every case takes 7.4 minutes alone, ~15 with the cores shared
+#: (``python -m tests.onnx.node_sweep_cases`` runs them all)
 SAMPLE = 2
 
 
