@@ -93,9 +93,13 @@ def lift(model, namespace=None, nodes=None):
     model = load_model(model)
     if not model.HasField("graph"):
         raise BackendError("the ONNX model has no graph")
-    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import) \
+            and (not model.opset_import or _uses_default_domain(model.graph)):
         # without it no standard op has a meaning (onnx's checker and
-        # onnxruntime reject such models too)
+        # onnxruntime reject such models too). A model whose nodes are all
+        # of other domains (``ai.onnx.ml`` only) is valid: its namespace is
+        # "onnx/unknown/graph", and the instrumented model imports a default
+        # domain for amanda's own nodes (`default_domain_version`)
         domains = sorted(o.domain for o in model.opset_import)
         raise BackendError("the ONNX model imports no version of the default domain "
                            f"('' / 'ai.onnx'; it imports {domains or 'no opset at all'}): "
@@ -113,6 +117,19 @@ def lift(model, namespace=None, nodes=None):
     except Exception as exc:   # a bug of the lifter, not of the model
         raise BackendError(f"lifting the ONNX model produced an invalid IR graph: {exc}") from exc
     return graph
+
+
+def _uses_default_domain(graph):
+    """Whether a node of ``graph`` or of its bodies is of the default domain."""
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx"):
+            return True
+        for attribute in node.attribute:
+            if attribute.HasField("g") and _uses_default_domain(attribute.g):
+                return True
+            if any(_uses_default_domain(g) for g in attribute.graphs):
+                return True
+    return False
 
 
 def _model_attrs(model):

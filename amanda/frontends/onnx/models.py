@@ -22,6 +22,17 @@ def default_namespace(model):
     return f"onnx/{version if version is not None else 'unknown'}/graph"
 
 
+def default_domain_version(ir_version):
+    """The newest version of the default ONNX domain a model of this IR
+    version may import (what amanda imports for its own nodes in a model
+    that imports none, e.g. one of ``ai.onnx.ml`` ops only)."""
+    onnx = _onnx()
+    newest = onnx.defs.onnx_opset_version()
+    versions = [row[2] for row in onnx.helper.VERSION_TABLE
+                if row[1] <= ir_version and row[2] <= newest]
+    return max(versions, default=1)
+
+
 def dtype_name(elem_type):
     """NumPy-style name of an ONNX ``TensorProto.DataType`` (``"float32"``)."""
     onnx = _onnx()

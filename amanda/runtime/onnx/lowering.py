@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 
 from amanda.errors import BackendError
 from amanda.frontends.onnx import ProtoAttr
+from amanda.frontends.onnx.models import default_domain_version
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.onnx.host import CALLBACK_DOMAIN
 from amanda.runtime.onnx.portable import elem_type
@@ -53,8 +54,12 @@ class _Lowering(RoutineNodes):
         self.meta = meta
         self.opsets = [list(pair) for pair in meta.get("opset_import",
                                                        [["", onnx.defs.onnx_opset_version()]])]
-        self.opset = next((v for d, v in self.opsets if d in ("", "ai.onnx")), 0)
         self.ir_version = min(meta.get("ir_version", onnx.IR_VERSION), MAX_IR_VERSION)
+        if not any(d in ("", "ai.onnx") for d, _ in self.opsets):
+            # a model of other domains only (ai.onnx.ml): amanda's own nodes
+            # (Identity, Size, Cast, ...) need the default domain
+            self.opsets.append(["", default_domain_version(self.ir_version)])
+        self.opset = next((v for d, v in self.opsets if d in ("", "ai.onnx")), 0)
         self.uses_callbacks = False
         # every routine is an observe-only Python callback at top level: the
         # model's dataflow is untouched (see _SideBranches)

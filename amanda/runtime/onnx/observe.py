@@ -22,6 +22,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from amanda import controls
 from amanda.errors import AmandaError
+from amanda.frontends.onnx.models import default_domain_version
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
 from amanda.runtime.routines import returns_only_none, routine_error
@@ -124,6 +125,10 @@ class _SideBranches(_Lowering):
             _sort_nodes(self.result.graph)
         if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
+        if all(o.domain not in ("", "ai.onnx") for o in self.result.opset_import):
+            # a model of other domains only: the ordering nodes (Size) need it
+            self.result.opset_import.add(
+                domain="", version=default_domain_version(self.result.ir_version))
         return self.result
 
     def _hosted_callback(self, op, action, where):
@@ -373,7 +378,7 @@ class _FetchPlan:
     """
 
     __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
-                 "_fed_types")
+                 "_fed_types", "read")
 
     def __init__(self, fetched, proto, outputs):
         self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
@@ -390,6 +395,8 @@ class _FetchPlan:
         # graph inputs the routines read (taken from the feed at each run)
         self._fed = [n for n in dict.fromkeys(wanted) if n in self.inputs]
         self._fed_types = {i.name: _element_type(i) for i in proto.input if i.name in wanted}
+        #: the fetched names whose values the routines read
+        self.read = frozenset(self.extra) | frozenset(self._fed)
         self._steps = [_step(callback, names) for callback, names in self.calls]
 
     def bind(self, data, proto):
@@ -541,7 +548,10 @@ def _fetching_run_with_ort_values(run, plan):
     def fetching(output_names, input_dict_ort_values, run_options=None):
         names, asked = plan.fetches(output_names)
         results = run(names, input_dict_ort_values, run_options)
-        plan.call({n: results[i].numpy() for i, n in enumerate(names)}, input_dict_ort_values)
+        # only the tensors the routines read become arrays: the user's own
+        # outputs may have types numpy cannot hold (bfloat16, float8)
+        plan.call({n: results[i].numpy() for i, n in enumerate(names) if n in plan.read},
+                  input_dict_ort_values)
         return results[:asked]
     fetching.__wrapped__ = run
     return fetching

@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 from onnx import numpy_helper
 
 from amanda.errors import AmandaError, BackendError, describe
@@ -25,6 +26,12 @@ from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLO
                                       _catalog, _register_callback)
 from amanda.runtime.onnx.portable import NotNative, PortableEmitter
 from amanda.runtime.routines import returns_only_none, routine_error  # noqa: F401  (returns_only_none: its home is the kernel, shared with TF)
+
+
+#: element types onnxruntime's CPU ``Size`` has no kernel for
+_SIZELESS = frozenset({"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2",
+                       "float8e5m2fnuz", "float8e8m0", "uint4", "int4", "float4e2m1",
+                       "uint2", "int2", "float6e2m3", "float6e3m2"})
 
 
 class RoutineNodes:
@@ -175,9 +182,24 @@ class RoutineNodes:
         token = self.last_token = self._host_node("AmandaCall", [token], f"{base}/call", key)
         self.hosted += 1
         for slot, (i, dtype) in enumerate(results):
-            self.add_node(f"AmandaGet_{dtype}", [token], [self.name(op.outputs[i])],
+            name = self.name(op.outputs[i])
+            self.add_node(f"AmandaGet_{dtype}", [token], [name],
                           f"{base}/get", domain=CALLBACK_DOMAIN, key=f"{key}:{slot}")
+            self._declare_result(op.outputs[i], name)
         self.uses_callbacks = True
+
+    def _declare_result(self, tensor, name):
+        """Declare the type and shape of a hosted routine's result (those of
+        the tensor it replaces: a replacement must keep them). A custom op's
+        outputs have none otherwise, and onnxruntime needs them where a node
+        reading them runs as its function's expansion (``CausalConvWithState``
+        has no kernel of its own, ``LinearAttention``'s body is a ``Scan``
+        whose outputs need shapes)."""
+        if any(o.name == name for o in self.graph_proto.output):
+            return
+        info = self.value_info(tensor, name)
+        if info.type.WhichOneof("value") is not None:
+            self.graph_proto.value_info.append(info)
 
     def _order(self, op, token, base, key):
         """Make a routine that receives no tensor wait for its op.
@@ -200,11 +222,23 @@ class RoutineNodes:
             name = self.order_name(tensor)
             if name is None:
                 continue
-            size = self.fresh(f"{base}/order.size")
-            self.add_node("Size", [name], [size], f"{base}/order")
+            size = self._size(tensor, name, f"{base}/order")
             token = self._host_node("AmandaPut_int64", [size, token], f"{base}/order",
                                     f"{key}:{ORDER_SLOT}")
         return token
+
+    def _size(self, tensor, name, base):
+        """An int64 scalar computed from the tensor named ``name`` (its
+        ``Size``) for a token chain to wait on. onnxruntime's CPU ``Size``
+        has no kernel for bfloat16, float8, 4-bit and smaller types: such a
+        tensor is cast to float32 first (its values are never read)."""
+        if self.tensor_type(tensor)[0] in _SIZELESS:
+            cast = self.fresh(f"{base}.float")
+            self.add_node("Cast", [name], [cast], f"{base}.cast", to=onnx.TensorProto.FLOAT)
+            name = cast
+        size = self.fresh(f"{base}.size")
+        self.add_node("Size", [name], [size], base)
+        return size
 
     def order_name(self, tensor):
         """The name a routine that waits for ``tensor`` reads (None: do not wait)."""
@@ -247,8 +281,7 @@ class RoutineNodes:
             name = self.order_name(tensor)
             if name is None:
                 return
-            size = self.fresh(f"{op.name}/amanda.join.size")
-            self.add_node("Size", [name], [size], f"{op.name}/amanda.join")
+            size = self._size(tensor, name, f"{op.name}/amanda.join")
             token = self.last_token or self._chain_start("amanda.join")
             self.last_token = self._host_node("AmandaPut_int64", [size, token],
                                               f"{op.name}/amanda.join",

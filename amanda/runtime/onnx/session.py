@@ -274,10 +274,51 @@ def _optimised_by_onnxruntime(data, options, own, providers, provider_options, k
     try:
         path = _optimise_into(folder.name, data, options, own, providers, provider_options,
                               kwargs)
-        return folder, onnx.load(path, load_external_data=False)
+        return folder, _rename_inlined(onnx.load(path, load_external_data=False))
     except BaseException:
         folder.cleanup()
         raise
+
+
+#: what the names onnxruntime gives the values of a function it inlines contain
+INLINED_MARK = "_inlfunc_"
+
+
+def _rename_inlined(model):
+    """Rename the values onnxruntime made when it inlined a function
+    (``_inlfunc_<op>_<name>``, and names derived from them such as
+    ``InsertedPrecisionFreeCast__inlfunc_...``) in the model it saved.
+    Loading that model again, onnxruntime inlines the function nodes still
+    left in it (e.g. a float16 ``Softmax`` in an ``Attention`` expansion)
+    and makes the same names again: "AddInitializedTensor already has tensor
+    with name _inlfunc_Softmax_axes but different TensorProto", "Duplicate
+    definition of name". The model's own inputs and outputs keep theirs."""
+    graph = model.graph
+    kept = {i.name for i in graph.input} | {o.name for o in graph.output}
+
+    def new(name):
+        if INLINED_MARK in name and name not in kept:
+            return name.replace(INLINED_MARK, "_amanda_inlined_")
+        return name
+
+    def rename(graph):
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            info.name = new(info.name)
+        for initializer in graph.initializer:
+            initializer.name = new(initializer.name)
+        for node in graph.node:
+            node.input[:] = [new(n) for n in node.input]
+            node.output[:] = [new(n) for n in node.output]
+            for attribute in node.attribute:
+                if attribute.HasField("g"):
+                    rename(attribute.g)
+                for body in attribute.graphs:
+                    rename(body)
+
+    if any(INLINED_MARK in o for n in graph.node for o in n.output) \
+            or any(INLINED_MARK in i.name for i in graph.initializer):
+        rename(graph)
+    return model
 
 
 def _optimise_into(folder, data, options, own, providers, provider_options, kwargs):
