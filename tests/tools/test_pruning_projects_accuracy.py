@@ -41,6 +41,7 @@ def test_amanda_tool_trains_to_the_accuracy_of_its_baseline(project, one_thread)
 #: Projects whose fine-tuned accuracy moves between processes by more than
 #: a few test samples: the tile-wise run's baseline (and amanda, equal to it
 #: in every run) gave 0.932, 0.940, 0.960 and 0.972 in four processes on
-#: 2026-11-29 (TF sessions of one thread each; the pruning order follows
-#: Python's hashing of the kernels' names, which changes per process)
+#: 2026-11-29, with TF sessions of one thread each and equal dense
+#: accuracies (what makes the fine-tuning differ between processes is not
+#: found yet)
 TOLERANCE = {"tile_wise": 0.05}
