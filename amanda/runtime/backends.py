@@ -184,20 +184,21 @@ def for_value(value):
 
 def for_program(program):
     """The backend that instruments programs of ``program``'s type, or None."""
-    for cls in type(program).__mro__:
-        module = cls.__module__.split(".")[0]
-        for backend in all_backends():
-            if module in backend.program_modules and backend.instrument is not None:
-                return backend
-    return None
+    return _by_class("program_modules", "instrument", program)
 
 
 def for_model(model):
     """The backend that exports models of ``model``'s type, or None."""
-    for cls in type(model).__mro__:
+    return _by_class("model_modules", "export", model)
+
+
+def _by_class(field, part, value):
+    """The backend naming the module of ``value``'s class, or of one of its
+    bases, in ``field`` and having ``part``."""
+    for cls in type(value).__mro__:
         module = cls.__module__.split(".")[0]
         for backend in all_backends():
-            if module in backend.model_modules and backend.export is not None:
+            if module in getattr(backend, field) and getattr(backend, part) is not None:
                 return backend
     return None
 
