@@ -58,7 +58,10 @@ def cases(modules=None):
 # -- tools ---------------------------------------------------------------------------------
 
 class ObserveTool(amanda.Tool):
-    """Routines before and after every node that only count (return None)."""
+    """Routines before and after every node that only count (return None);
+    with ``SELECT`` set to ``[]`` they select no tensor."""
+
+    SELECT = None
 
     def __init__(self):
         super().__init__()
@@ -67,28 +70,17 @@ class ObserveTool(amanda.Tool):
 
     def analyse(self, context):
         op = context.get_op_id()
-        context.insert_before_op(self.look, key=(op, "before"))
-        context.insert_after_op(self.look, key=(op, "after"))
+        context.insert_before_op(self.look, inputs=self.SELECT, key=(op, "before"))
+        context.insert_after_op(self.look, outputs=self.SELECT, key=(op, "after"))
 
     def look(self, *arrays, key):
         self.counts[key] += 1
 
 
-class CountTool(amanda.Tool):
+class CountTool(ObserveTool):
     """Routines before and after every node that select no tensor."""
 
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-        self.add_inst_for_op(self.analyse, require_outputs=True)
-
-    def analyse(self, context):
-        op = context.get_op_id()
-        context.insert_before_op(self.count, inputs=[], key=(op, "before"))
-        context.insert_after_op(self.count, outputs=[], key=(op, "after"))
-
-    def count(self, key):
-        self.counts[key] += 1
+    SELECT = []
 
 
 class Identity(IdentityTool):
