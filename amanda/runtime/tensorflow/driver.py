@@ -35,6 +35,14 @@ def _activate(shadow):
     live[shadow.user_session] = shadow
 
 
+def _retire(shadow):
+    """Free a shadow that a new one replaces (``cache_disabled()``): its
+    variable values go back to the user's session first, from where the new
+    one takes them."""
+    _hand_back(shadow.user_session)
+    shadow.close()
+
+
 def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     sessions = controls.state.sessions
     if not sessions or getattr(_tls, "live", None) is None or getattr(self, "_amanda_shadow", False):
@@ -42,7 +50,7 @@ def _patched_run(self, fetches, feed_dict=None, options=None, run_metadata=None)
     if controls.state.disabled:   # amanda.disabled(), or a rule running the user's graph
         _hand_back(self)
         return _original_run(self, fetches, feed_dict, options, run_metadata)
-    shadow = _cached_per_session(sessions[-1], "tensorflow", self, _Shadow)
+    shadow = _cached_per_session(sessions[-1], "tensorflow", self, _Shadow, _retire)
     shadow.refresh(feed_dict)
     _activate(shadow)
     return shadow.run(fetches, feed_dict, options, run_metadata)

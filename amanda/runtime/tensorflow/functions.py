@@ -80,7 +80,8 @@ def _patched_call_flat(self, tensor_inputs, captured_inputs):
         # XLA compiles the whole call, and no Python routine can run in an
         # XLA cluster: it runs as it is (as a body XLA compiles does), and
         # amanda says so once per function and scope
-        _cached_per_session(sessions[-1], "tensorflow_xla_functions", self, _warn_xla_function)
+        _cached_per_session(sessions[-1], "tensorflow_xla_functions", self, _warn_xla_function,
+                            analysed=False)
         return _original_call_flat(self, tensor_inputs, captured_inputs)
     copy = _cached_per_session(sessions[-1], "tensorflow_functions", self, _FunctionCopy)
     flat = copy.call(list(tensor_inputs) + list(captured_inputs))

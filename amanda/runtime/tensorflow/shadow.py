@@ -242,13 +242,22 @@ def _session_rewrites(config):
     return {name: options is None or getattr(options, name) != off for name in _EXACTNESS_REWRITES}
 
 
-def _cached_per_session(session, kind, user_object, make):
+def _cached_per_session(session, kind, user_object, make, retire=None, analysed=True):
     """The amanda session's instrumented stand-in for a user session or
-    function, made on first use and dropped with the user object."""
+    function, made on first use and dropped with the user object.
+
+    Inside ``amanda.cache_disabled()`` a new one is made for every run where
+    making it runs the analysis (``analysed``; the one rule of every
+    backend: analysis at every execution); it replaces the cached one, which
+    ``retire`` frees first."""
     table = session.caches.get(kind)
     if table is None:
         table = session.caches[kind] = weakref.WeakKeyDictionary()
     made = table.get(user_object)
+    if made is not None and analysed and not controls.state.cache:
+        if retire is not None:
+            retire(made)
+        made = None
     if made is None:
         made = table[user_object] = make(user_object, session)
     return made
