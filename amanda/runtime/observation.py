@@ -19,6 +19,7 @@ is in.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from amanda.runtime import swapped
@@ -67,3 +68,19 @@ def fetch_budget():
         return None
     budget = getattr(_observation, "budget", None)
     return OBSERVATION_BUDGET if budget is None else budget
+
+
+def current_choice():
+    """This thread's two switches as they are now, for `choosing` to set
+    again later (an onnxruntime session made again inside
+    ``cache_disabled()`` chooses as it did when the user created it)."""
+    return hosting(), getattr(_observation, "budget", None)
+
+
+def choosing(choice):
+    """The switches of `current_choice`, for the span of a ``with``."""
+    hosted, budget = choice
+    stack = contextlib.ExitStack()
+    stack.enter_context(swapped(_observation, "hosted", hosted))
+    stack.enter_context(swapped(_observation, "budget", budget))
+    return stack

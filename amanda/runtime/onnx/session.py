@@ -32,7 +32,7 @@ from amanda.runtime.onnx.host import (_original_init, checked_session, extension
                                       run_methods, session_options)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
-from amanda.runtime.observation import fetch_budget
+from amanda.runtime.observation import choosing, current_choice, fetch_budget
 from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
 from amanda.runtime.onnx.wire import initializer_views, raw_size, viewable, write_model
@@ -515,6 +515,67 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     with owned_by(sessions[-1]):
         _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
                             provider_options, **kwargs)
+    # what the session is made from, so that a run inside cache_disabled()
+    # can make it again: a reference to the user's path or bytes, no copy
+    self._amanda_recipe = (path_or_bytes, sess_options, providers, provider_options, kwargs,
+                           current_choice())
+    _analysed_at_every_run(self)
+
+
+def _analysed_at_every_run(session):
+    """The one cache rule (analysis at every execution), for onnxruntime:
+    each run method of ``session`` first makes the session again, with its
+    tools' analysis, when it is called inside ``amanda.cache_disabled()``
+    (outside ``amanda.disabled()``); for ``run_with_iobinding``, whose
+    binding belongs to the session it was made with, ``io_binding()`` does.
+    The run methods creation installed (routine error checks, the fetching
+    of observed tensors) run inside."""
+    inner = {method: session.__dict__[method] for method in run_methods()
+             if method in session.__dict__}
+    session._amanda_inner = inner
+
+    def wrap(method):
+        def run(*args, **kwargs):
+            if method != "run_with_iobinding" and not controls.state.cache \
+                    and not controls.state.disabled:
+                _made_again(session)
+            found = session._amanda_inner.get(method)
+            if found is None:     # not wrapped by creation: the class's method
+                return getattr(type(session), method)(session, *args, **kwargs)
+            return found(*args, **kwargs)
+        run.__name__ = method
+        return run
+
+    for method in run_methods():
+        setattr(session, method, wrap(method))
+
+    def io_binding():
+        # a binding belongs to the onnxruntime session it was made with: for
+        # run_with_iobinding, the session is made again when the binding is
+        if not controls.state.cache and not controls.state.disabled:
+            _made_again(session)
+        return type(session).io_binding(session)
+
+    session.io_binding = io_binding
+
+
+def _made_again(session):
+    """Create ``session`` again from its model, in its amanda session (its
+    tools), with the analysis cache off: the routines of this run are those
+    the analysis records now."""
+    owner = session._amanda_owner
+    path_or_bytes, sess_options, providers, provider_options, kwargs, choice = \
+        session._amanda_recipe
+    outer = {method: session.__dict__.pop(method) for method in run_methods()
+             if method in session.__dict__}
+    try:
+        with owned_by(owner), choosing(choice):
+            _patched_init_owned(session, [owner], path_or_bytes, sess_options, providers,
+                                provider_options, **kwargs)
+    finally:
+        session._amanda_inner = {method: session.__dict__[method] for method in run_methods()
+                                 if method in session.__dict__}
+        session.__dict__.update(outer)
 
 
 def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
