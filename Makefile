@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: demo test test-core bench clean wheel-smoke figures
+.PHONY: demo test test-core sweep bench clean wheel-smoke figures
 
 # pip's output goes to $(VENV)/install.log, shown only when the install fails
 $(STAMP): pyproject.toml constraints.txt
@@ -28,9 +28,18 @@ demo: $(STAMP)
 # memory of the whole suite. The compiled real-model sweep runs in a process
 # of its own too, so that Dynamo's caches start empty for it
 test: $(STAMP) test-core
-	$(BIN)/python -m pytest -q --ignore=tests/tensorflow --ignore=tests/pytorch/test_compiled_sweep.py
-	$(BIN)/python -m pytest -q tests/pytorch/test_compiled_sweep.py
-	$(BIN)/python -m pytest -q tests/tensorflow
+	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/tensorflow --ignore=tests/pytorch/test_compiled_sweep.py
+	$(BIN)/python -m pytest -q --durations=5 tests/pytorch/test_compiled_sweep.py
+	$(BIN)/python -m pytest -q --durations=15 tests/tensorflow
+
+# The whole corpora of the sweeps that `make test` samples to stay within
+# CI's time: every onnx node-test case (7.4 minutes alone) and every Keras
+# application of the TF sweeps (identity, layers, and the training steps
+# with the update inside the function; the longest part)
+sweep: $(STAMP)
+	AMANDA_NODE_SWEEP_SAMPLE=1 $(BIN)/python -m pytest -q tests/onnx/test_node_sweep_onnx.py
+	AMANDA_KERAS_SWEEP=1 $(BIN)/python -m pytest -q tests/tensorflow/test_identity_sweep_tf.py \
+		tests/tensorflow/test_keras_layers_tf.py tests/tensorflow/test_training_step_tf.py
 
 # The framework-free tests (the IR, the passes and a toy backend, the
 # structure rules) in a venv of their own with amanda's core and the test

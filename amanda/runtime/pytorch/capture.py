@@ -6,7 +6,8 @@
     program = capture(model, (x,))          # torch.export -> amanda IR
     y = program(x)                          # runs the lowered GraphModule
     with amanda.apply(tool):
-        y = program(x)                      # runs the instrumented graph (cached)
+        y = program(x)                      # runs the instrumented graph (cached;
+                                            # analysed per call in cache_disabled())
     fast = program.rewrite(rules)           # subgraph rewriting, see amanda.tools.rewrite
 
 `capture` exports the model with ``torch.export`` (the training IR: aten ops such as
@@ -179,9 +180,13 @@ class CapturedProgram:
         self._hash = None
 
     def _lowered(self, session):
+        """The lowered module for ``session``'s tools (None: uninstrumented),
+        cached by the graph's structural hash and the tools; inside
+        ``amanda.cache_disabled()`` instrumented anew at every call (the one
+        cache rule: analysis at every execution), replacing the cached one."""
         key = (self.structural_hash(), session.token if session is not None else None)
         module = self._modules.get(key)
-        if module is None:
+        if module is None or (session is not None and not controls.state.cache):
             graph = self.graph if session is None else self._instrumented_graph(session)
             module = self._modules[key] = lower_to_graph_module(graph)
         return module
