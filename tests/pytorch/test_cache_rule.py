@@ -10,7 +10,6 @@ program on the graph paths (a compiled call inside ``cache_disabled()``
 runs eagerly, docs/pytorch-compiled.md; a captured program is analysed
 again at each call: before, it kept its first analysis)."""
 
-import collections
 import contextlib
 import warnings
 
@@ -20,27 +19,9 @@ torch = pytest.importorskip("torch")
 
 import amanda  # noqa: E402
 from amanda.runtime.pytorch.capture import capture  # noqa: E402
+from tests.cache_rule import Recording, assert_one_rule  # noqa: E402
 
 RUNS = 3
-
-
-class Recording(amanda.Tool):
-    """Counts analyses per op, and executions per (op id, point)."""
-
-    def __init__(self):
-        super().__init__()
-        self.analyses = collections.Counter()
-        self.executions = collections.Counter()
-        self.add_inst_for_op(self.analyse)
-
-    def analyse(self, context):
-        op = context.get_op_id()
-        self.analyses[op] += 1
-        context.insert_before_op(self.seen, key=(op, "before"))
-        context.insert_after_op(self.seen, key=(op, "after"))
-
-    def seen(self, *tensors, key):
-        self.executions[key] += 1
 
 
 def model():
@@ -80,8 +61,5 @@ def test_cache_disabled_analyses_every_execution_and_changes_nothing_else(progra
             assert torch.equal(output, plain)
         results[cached] = tool
     cached, uncached = results[True], results[False]
-    assert cached.executions and all(n == RUNS for n in cached.executions.values())
-    assert uncached.executions == cached.executions
-    assert set(uncached.analyses) == set(cached.analyses)
-    assert set(cached.analyses.values()) == {1}, "cached: one analysis per op"
-    assert set(uncached.analyses.values()) == {RUNS}, "uncached: one analysis per op per run"
+    assert all(n == RUNS for n in cached.executions.values())
+    assert_one_rule(cached, uncached, RUNS)
