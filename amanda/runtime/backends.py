@@ -10,6 +10,7 @@ amanda, or registering a backend, never imports a framework.
 Everything outside a backend's packages reaches it through this module:
 ``apply`` asks :func:`active` for the drivers of the frameworks the user has
 imported; ``evaluate`` and the portable vocabulary ask :func:`for_value`;
+the op vocabulary (:mod:`amanda.runtime.vocabulary`) asks :func:`for_namespace`;
 ``amanda.instrument`` and ``amanda.export`` ask :func:`for_program` and
 :func:`for_model`; tools ask :func:`for_namespace` for their tool support;
 the IR loads call-target resolvers through :func:`load_target_provider`;
@@ -71,6 +72,9 @@ class Backend:
             backend's tensors (:mod:`amanda.portable`).
         target_provider: the module that registers the backend's call-target
             resolver when imported (:mod:`amanda.ir.targets`).
+        vocabulary: the module of the backend's op facts: its ops' canonical
+            types, input roles, layouts and attribute names (see
+            :mod:`amanda.runtime.vocabulary`).
     """
 
     name: str
@@ -85,6 +89,7 @@ class Backend:
     tool_support: object = None
     portable_ops: object = None
     target_provider: object = None
+    vocabulary: object = None
 
     def part(self, field):
         """The part named ``field``, loaded on first use; None when the

@@ -26,10 +26,17 @@ Every support module exposes:
   those some input needs); None: the fixed factor applies;
 * ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
   inputs that are trainable parameters;
+* ``weight_value(context, position)`` -> ``(NumPy copy, as_tensor)`` of
+  the weight the op reads at input ``position`` where the backend reads it
+  itself (a PyTorch parameter, an ONNX initializer), else None (the caller
+  evaluates it);
 * ``is_weight_input(tensor)`` -> bool: whether a lifted graph's input is a
   weight (an ONNX initializer, a captured PyTorch parameter);
 * ``ROUTINES_ORDERED_BY_DATAFLOW``: whether a routine runs in order with
   its op only through the tensors it hands back (ONNX).
+
+What a backend's ops are (canonical types, input roles, layouts, attribute
+names) is its *vocabulary*, a module of its own (:mod:`amanda.runtime.vocabulary`).
 
 Backend-specific helpers (``pytorch.tools.call_arguments``,
 ``onnx.tools.node_attribute``, ...) are documented in each module.

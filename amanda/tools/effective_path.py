@@ -69,6 +69,7 @@ import numpy as np
 
 import amanda
 from amanda.errors import ToolError
+from amanda.runtime import vocabulary
 from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools.effective_path_params import (PARAM_READERS, StepValues, _canonical_call, _params,
@@ -511,8 +512,7 @@ class EffectivePathTool(amanda.Tool):
 
     def _type_of(self, op):
         found = self._types.get(stable_op_key(op))
-        return found if found is not None else mapping_rules.canonical_type(
-            op.type, mapping_rules.PYTORCH_TYPES)
+        return found if found is not None else vocabulary.canonical_type(op.namespace, op.type)
 
     def _output_tensor(self, graph, required=True):
         """The IR tensor holding the logits: see ``output``. None (the last

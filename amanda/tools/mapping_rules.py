@@ -12,7 +12,7 @@ depends on, and write the tool once against the keys below::
             self.depends_on(MappingTool(rules=mapping_rules.WEIGHT_RULES))
             ...
 
-Keys set by `pytorch_rule` / `tensorflow_rule` / `onnx_rule` (``RULES``):
+Keys set by `type_rule` (``RULES``), on every backend with a vocabulary:
 
 * ``"type"``: the forward op's canonical type: ``"conv2d"``, ``"linear"`` (a
   matrix product with a weight: PyTorch ``linear``, a TF ``MatMul`` whose
@@ -40,8 +40,8 @@ Keys set by `pytorch_rule` / `tensorflow_rule` / `onnx_rule` (``RULES``):
   ``TBackward0``. TensorFlow: output 0 of ``Conv2DBackpropFilter``, output 0
   of the ``MatMul`` that reads the forward ``MatMul``'s activation input.
 
-Added by `pytorch_weight_rule` / `tensorflow_weight_rule` (``WEIGHT_RULES``),
-in forward contexts of ops with a weight:
+Added by `weight_rule` (``WEIGHT_RULES``), in forward contexts of ops with
+a weight:
 
 * ``"weight"``: the weight's current value, a NumPy array in the backend's
   layout (PyTorch ``OIHW`` and ``(out, in)``; TF ``HWIO`` and ``(in, out)``).
@@ -50,61 +50,32 @@ in forward contexts of ops with a weight:
   device and dtype; a NumPy array of the weight's dtype in TF), so a routine
   like ``lambda weight, mask: weight * mask`` works on both.
 
-Only the public API is used: ``context.get_op()``, ``get_backward_op()``,
-``get_inputs()``, ``is_backward()``, ``namespace``, and for TF weight values
-``amanda.evaluate``. Frameworks are imported lazily, when a
-rule for them runs.
+What only a backend knows (which op names are which canonical type, how a
+``MatMul`` is told from a ``linear``, where a weight's gradient leaves a
+backward op, how a weight is read) comes from the backend's vocabulary
+(:mod:`amanda.runtime.vocabulary`, one module per backend in its package)
+and tool support (:mod:`amanda.runtime.tool_support`), asked with the
+context's namespace; weights no backend reads directly (TF variables) are
+read with ``amanda.evaluate``. The rules import no framework.
+The per-backend names of earlier versions (``pytorch_rule``,
+``tensorflow_weight_rule``...) are the same two rules.
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
+from amanda.runtime import vocabulary
 from amanda.runtime.tool_support import support_for
-from amanda.tools import mapping_tables
 
 __all__ = [
-    "RULES", "WEIGHT_RULES", "canonical_type", "onnx_rule", "onnx_weight_rule", "pytorch_rule",
-    "pytorch_weight_rule", "tensorflow_rule", "tensorflow_weight_rule",
+    "RULES", "WEIGHT_INPUTS", "WEIGHT_RULES", "canonical_type", "onnx_rule", "onnx_weight_rule",
+    "pytorch_rule", "pytorch_weight_rule", "tensorflow_rule", "tensorflow_weight_rule",
+    "type_rule", "weight_rule",
 ]
-
-#: PyTorch op names (``get_op().__name__``) -> canonical type.
-PYTORCH_TYPES = {
-    "conv2d": "conv2d", "linear": "linear", "matmul": "matmul", "mm": "matmul",
-    "bmm": "matmul", "relu": "relu", "relu_": "relu", "add": "add", "__add__": "add",
-    "__radd__": "add", "add_": "add", "__iadd__": "add", "mul": "mul", "__mul__": "mul",
-    "max_pool2d": "max_pool2d", "avg_pool2d": "avg_pool2d", "softmax": "softmax",
-    "reshape": "reshape", "view": "reshape", "flatten": "flatten",
-    "layer_norm": "layer_norm", "batch_norm": "batch_norm",
-}
-
-#: TensorFlow op types -> canonical type (``MatMul`` is decided by its inputs).
-TENSORFLOW_TYPES = {
-    "Conv2D": "conv2d", "DepthwiseConv2dNative": "depthwise_conv2d",
-    "BatchMatMul": "matmul", "BatchMatMulV2": "matmul", "BatchMatMulV3": "matmul",
-    "Relu": "relu", "AddV2": "add", "Add": "add", "Mul": "mul", "MaxPool": "max_pool2d",
-    "AvgPool": "avg_pool2d", "Softmax": "softmax", "Reshape": "reshape",
-    "FusedBatchNormV3": "batch_norm", "BiasAdd": "bias_add",
-}
 
 #: Canonical types whose op takes a weight, and its input position.
 WEIGHT_INPUTS = {"conv2d": 1, "depthwise_conv2d": 1, "linear": 1}
-
-# TF backward ops computing a convolution's filter gradient (output 0).
-_TF_FILTER_GRADS = frozenset({"Conv2DBackpropFilter", "Conv2DBackpropFilterV2",
-                              "DepthwiseConv2dNativeBackpropFilter"})
-# Ops a TF weight passes through between its variable and its reader.
-_TF_VARIABLE_READS = frozenset({"ReadVariableOp", "VariableV2", "VarHandleOp"})
-_TF_PASS_THROUGH = frozenset({"Identity", "Cast"})
-
-
-def _weight_layout(backend, op_type):
-    if WEIGHT_INPUTS.get(op_type) is None:
-        return None
-    spec = mapping_tables.TABLE.get(op_type, {}).get(backend)
-    return None if spec is None else spec.layout("weight")
 
 
 def canonical_type(name, table):
@@ -112,181 +83,62 @@ def canonical_type(name, table):
 
     Args:
         name: the backend's op name (``"conv2d"``, ``"Conv2D"``).
-        table: that backend's name -> type table.
+        table: a name -> type table (a backend vocabulary's ``TYPES``).
 
     Returns:
         The table's entry, else ``name`` in snake case.
     """
     found = table.get(name)
-    if found is not None:
-        return found
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    return found if found is not None else vocabulary.snake_case(name)
 
 
-# -- PyTorch -------------------------------------------------------------------------
-
-
-def pytorch_rule(context):
-    """Set ``type``, ``weight_input`` and, in backward contexts,
-    ``backward_type`` and ``weight_grad`` on a PyTorch context."""
-    op = context.get_op()
-    op_type = None if op is None else canonical_type(op.__name__, PYTORCH_TYPES)
-    context["type"] = op_type
-    context["weight_input"] = WEIGHT_INPUTS.get(op_type)
-    context["weight_layout"] = _weight_layout("pytorch", op_type)
-    if context.is_backward():
-        context["backward_type"] = None if op_type is None else f"{op_type}_backward"
-        context["weight_grad"] = _pytorch_weight_grad(op_type, context.get_backward_op().__name__)
-
-
-def _pytorch_weight_grad(op_type, backward_name):
-    # ConvolutionBackward0 returns (input, weight, bias) gradients; a linear
-    # layer's weight gradient leaves AddmmBackward0/MmBackward0 transposed
-    # and TBackward0 turns it back into the weight's layout.
-    if op_type == "conv2d" and backward_name == "ConvolutionBackward0":
-        return 1
-    if op_type == "linear" and backward_name == "TBackward0":
-        return 0
-    return None
-
-
-def pytorch_weight_rule(context):
-    """Set ``weight`` (NumPy copy) and ``as_tensor`` on forward PyTorch
-    contexts of ops with a weight. Runs after `pytorch_rule`."""
-    position = context.get("weight_input")
-    if context.is_backward() or position is None or "weight" in context:
+def type_rule(context):
+    """Set ``type``, ``weight_input``, ``weight_layout`` and, in backward
+    contexts, ``backward_type`` and ``weight_grad``, from the vocabulary of
+    the context's backend (nothing on a backend without one)."""
+    words = vocabulary.of(context.namespace)
+    if words is None:
         return
-    weight = context.get_inputs()[position]
-    context["weight"] = weight.detach().cpu().numpy().copy()
-    context["as_tensor"] = support_for("pytorch").as_tensor_like(weight)
-
-
-# -- TensorFlow ----------------------------------------------------------------------
-
-
-def tensorflow_rule(context):
-    """Set ``type``, ``weight_input`` and, in backward contexts,
-    ``backward_type`` and ``weight_grad`` on a TensorFlow context."""
     op = context.get_op()
-    op_type = None if op is None else _tf_type(op)
+    op_type = None if op is None else words.op_type(context, op)
     context["type"] = op_type
     context["weight_input"] = WEIGHT_INPUTS.get(op_type)
-    layout = _weight_layout("tensorflow", op_type)
-    if op_type == "linear" and op.get_attr("transpose_b"):
-        layout = "OI"
+    layout = None
+    if op_type in WEIGHT_INPUTS:
+        spec = vocabulary.row(context.namespace, op_type)
+        layout = words.weight_layout(op, op_type, None if spec is None else spec.layout("weight"))
     context["weight_layout"] = layout
     if context.is_backward():
         context["backward_type"] = None if op_type is None else f"{op_type}_backward"
-        context["weight_grad"] = _tf_weight_grad(op_type, op, context.get_backward_op())
+        context["weight_grad"] = words.weight_grad(op_type, op, context.get_backward_op())
 
 
-def _tf_type(op):
-    if op.type == "MatMul":
-        return "linear" if _reads_variable(op.inputs[1]) else "matmul"
-    return canonical_type(op.type, TENSORFLOW_TYPES)
-
-
-def _reads_variable(tensor):
-    """Whether ``tensor`` is a variable's value (through Identity/Cast)."""
-    op = tensor.op
-    while op.type in _TF_PASS_THROUGH and op.inputs:
-        op = op.inputs[0].op
-    return op.type in _TF_VARIABLE_READS
-
-
-def _tf_weight_grad(op_type, forward, backward):
-    if op_type in ("conv2d", "depthwise_conv2d") and backward.type in _TF_FILTER_GRADS:
-        return 0
-    if op_type == "linear" and backward.type == "MatMul":
-        # MatMul's gradient function makes two MatMuls: the one reading the
-        # activation (input 0) computes the weight's gradient, the one reading
-        # the weight computes the activation's
-        # (names, not ``in``: ``==`` on a graph tensor would add an op)
-        reads = {t.name for t in backward.inputs}
-        if forward.inputs[0].name in reads and forward.inputs[1].name not in reads:
-            return 0
-    return None
-
-
-def tensorflow_weight_rule(context):
-    """Set ``weight`` and ``as_tensor`` on forward TensorFlow contexts of ops
-    with a weight, evaluating the weight in the session (or ``tf.function``
-    call) being rewritten. Runs after `tensorflow_rule`."""
+def weight_rule(context):
+    """Set ``weight`` (a NumPy copy of its current value, in the backend's
+    layout) and ``as_tensor`` on forward contexts of ops with a weight. The
+    backend reads the weight where it can (a PyTorch parameter, an ONNX
+    initializer); otherwise it is evaluated (``amanda.evaluate``, in the
+    session or ``tf.function`` call being rewritten). Runs after `type_rule`."""
     position = context.get("weight_input")
     if context.is_backward() or position is None or "weight" in context:
         return
-    import amanda
-    weight = np.asarray(amanda.evaluate(context.get_inputs()[position]))
-    context["weight"] = weight
-    dtype = weight.dtype
-    context["as_tensor"] = lambda array: np.asarray(array, dtype=dtype)
-
-
-# -- ONNX ----------------------------------------------------------------------------
-
-#: ONNX op types -> canonical type (``MatMul``/``Gemm``/``Gather`` are decided
-#: by whether their weight input is an initializer).
-ONNX_TYPES = {name: spec.canonical for name, spec in mapping_tables.backend_ops("onnx").items()}
-ONNX_TYPES.update({"Relu": "relu", "Add": "add", "Mul": "mul"})
-
-
-def _onnx_initializer(context, position):
-    """The initializer (an ``onnx.TensorProto`` holder) feeding input
-    ``position`` of the context's node, or None."""
-    ir_op = context.get_ir_op()
-    if ir_op is None or position >= len(ir_op.inputs):
-        return None
-    return support_for("onnx").initializer(ir_op.inputs[position])
-
-
-def onnx_rule(context):
-    """Set ``type``, ``weight_input`` and ``weight_layout`` on an ONNX context
-    (ONNX graphs are inference graphs: there are no backward contexts)."""
-    node = context.get_op()
-    op_type = None if node is None else _onnx_type(context, node)
-    context["type"] = op_type
-    context["weight_input"] = WEIGHT_INPUTS.get(op_type)
-    layout = _weight_layout("onnx", op_type)
-    if op_type == "linear" and node.op_type == "Gemm" and _onnx_attr(node, "transB", 0):
-        layout = "OI"
-    context["weight_layout"] = layout
-    if context.is_backward():
-        context["backward_type"] = None if op_type is None else f"{op_type}_backward"
-        context["weight_grad"] = None
-
-
-def _onnx_attr(node, name, default):
-    return support_for("onnx").node_attribute(node, name, default)
-
-
-def _onnx_type(context, node):
-    if node.op_type in ("MatMul", "Gemm"):
-        return "linear" if _onnx_initializer(context, 1) is not None else "matmul"
-    if node.op_type == "Gather":
-        return "embedding" if _onnx_initializer(context, 0) is not None else "gather"
-    return canonical_type(node.op_type, ONNX_TYPES)
-
-
-def onnx_weight_rule(context):
-    """Set ``weight`` (the initializer's value) and ``as_tensor`` on ONNX
-    contexts of ops with a weight. Runs after `onnx_rule`."""
-    position = context.get("weight_input")
-    if context.is_backward() or position is None or "weight" in context:
-        return
-    initializer = _onnx_initializer(context, position)
-    if initializer is not None:
-        weight = np.asarray(initializer.to_numpy())
-    else:
+    support = support_for(context.namespace)
+    read = None if support is None else support.weight_value(context, position)
+    if read is None:
         import amanda
         weight = np.asarray(amanda.evaluate(context.get_inputs()[position]))
-    context["weight"] = weight
-    dtype = weight.dtype
-    context["as_tensor"] = lambda array: np.asarray(array, dtype=dtype)
+        dtype = weight.dtype
+        read = weight, (lambda array: np.asarray(array, dtype=dtype))
+    context["weight"], context["as_tensor"] = read
 
 
-#: Types and positions for every backend: ``MappingTool(rules=RULES)``.
-RULES = [["pytorch", pytorch_rule], ["tensorflow", tensorflow_rule], ["onnx", onnx_rule]]
+#: the rules of earlier versions, one per backend: the same two rules
+pytorch_rule = tensorflow_rule = onnx_rule = type_rule
+pytorch_weight_rule = tensorflow_weight_rule = onnx_weight_rule = weight_rule
+
+#: Types and positions for every backend: ``MappingTool(rules=RULES)``
+#: (the empty namespace prefix matches every context).
+RULES = [["", type_rule]]
 
 #: `RULES` plus weight values: ``MappingTool(rules=WEIGHT_RULES)``.
-WEIGHT_RULES = RULES + [["pytorch", pytorch_weight_rule], ["tensorflow", tensorflow_weight_rule],
-                        ["onnx", onnx_weight_rule]]
+WEIGHT_RULES = RULES + [["", weight_rule]]

@@ -13,6 +13,7 @@ import torch
 import amanda
 from amanda.errors import ToolError
 from amanda.ir import Graph
+from amanda.runtime import vocabulary
 from amanda.tools import mapping_rules
 from amanda.tools.graph import (
     GraphTracingTool,
@@ -109,7 +110,7 @@ def test_same_graph_across_two_eager_iterations(cnn):
 
 
 def mapping_type(op):
-    return mapping_rules.canonical_type(op.type, mapping_rules.PYTORCH_TYPES)
+    return vocabulary.canonical_type(op.namespace, op.type)
 
 
 # -- ResNet-50: the residual add's two producers ---------------------------------------

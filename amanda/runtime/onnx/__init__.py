@@ -63,6 +63,7 @@ BACKEND = register(Backend(
     evaluate="amanda.runtime.onnx.instrument:evaluate",
     instrument="amanda.runtime.onnx.instrument:instrument_model",
     tool_support="amanda.runtime.onnx.tools",
+    vocabulary="amanda.runtime.onnx.vocabulary",
 ))
 
 #: public name -> the module of this package that defines it. Every name that

@@ -12,7 +12,7 @@ __all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFL
            "attrs_for_new_op", "backward_flop_factor", "backward_flop_operands", "current_run", "hosted",
            "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
            "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
-           "stable_op_id", "static_shape", "tensor_values", "trainable_parameters"]
+           "stable_op_id", "static_shape", "tensor_values", "trainable_parameters", "weight_value"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -178,6 +178,21 @@ def initializer(tensor):
     """The initializer (the frontend's holder of an ``onnx.TensorProto``,
     with ``to_numpy()``) an IR tensor was lifted from, or None."""
     return tensor.attrs.get("initializer")
+
+
+def weight_value(context, position):
+    """``(value, as_tensor)`` of the initializer feeding input ``position``
+    of the context's node, or None when it is no initializer (the caller
+    evaluates it)."""
+    ir_op = context.get_ir_op()
+    found = None if ir_op is None or position >= len(ir_op.inputs) else \
+        initializer(ir_op.inputs[position])
+    if found is None:
+        return None
+    import numpy as np
+    weight = np.asarray(found.to_numpy())
+    dtype = weight.dtype
+    return weight, (lambda array: np.asarray(array, dtype=dtype))
 
 
 def is_weight_input(tensor):

@@ -56,6 +56,7 @@ BACKEND = register(Backend(
     evaluate="amanda.runtime.pytorch.eager.driver:evaluate",
     export="amanda.runtime.pytorch.export:export_torch",
     tool_support="amanda.runtime.pytorch.tools",
+    vocabulary="amanda.runtime.pytorch.vocabulary",
     portable_ops="amanda.runtime.pytorch.portable_ops",
     target_provider="amanda.frontends.pytorch.targets",
 ))

@@ -25,7 +25,7 @@ __all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_
            "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
            "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
            "module_path_from_op", "new_predictor", "no_grad", "stable_op_id", "tensor_stats",
-           "trainable_parameters", "wta_gate"]
+           "trainable_parameters", "weight_value", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
 
@@ -119,6 +119,13 @@ def as_tensor_like(tensor):
         return torch.as_tensor(np.asarray(array), dtype=dtype, device=device)
 
     return as_tensor
+
+
+def weight_value(context, position):
+    """``(NumPy copy, as_tensor)`` of the parameter the op reads at input
+    ``position`` (mapping rules: ``context["weight"]``)."""
+    weight = context.get_inputs()[position]
+    return weight.detach().cpu().numpy().copy(), as_tensor_like(weight)
 
 
 def _stored(tensor):

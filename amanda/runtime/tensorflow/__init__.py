@@ -51,6 +51,7 @@ BACKEND = register(Backend(
     evaluate="amanda.runtime.tensorflow.probes:evaluate",
     instrument="amanda.runtime.tensorflow.driver:instrument_graph",
     tool_support="amanda.runtime.tensorflow.tools",
+    vocabulary="amanda.runtime.tensorflow.vocabulary",
     portable_ops="amanda.runtime.tensorflow.portable_ops",
 ))
 

@@ -10,7 +10,7 @@ import math
 __all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
            "backward_flop_factor", "backward_flop_operands", "frozen_graph_def", "is_weight_input",
            "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
-           "tf2onnx_converter", "trainable_parameters"]
+           "tf2onnx_converter", "trainable_parameters", "weight_value"]
 
 
 def name_scope(op_name):
@@ -109,6 +109,12 @@ def _static_shape(value):
         return None
     dims = [getattr(d, "value", d) for d in dims]   # TF1 Dimension
     return None if None in dims else tuple(int(d) for d in dims)
+
+
+def weight_value(context, position):
+    """None: a TF weight is a variable's value, evaluated by the caller
+    (``amanda.evaluate``) in the session or call being rewritten."""
+    return None
 
 
 def is_weight_input(tensor):
