@@ -24,6 +24,14 @@ Every support module exposes:
   the backward op's gradients that each cost the forward op's FLOPs when
   computed (PyTorch: a product's operands, of which autograd computes only
   those some input needs); None: the fixed factor applies;
+* ``OTHER_BACKWARD_FLOPS``, ``ANALYSED_PER_CALL_SITE``,
+  ``COUNTS_AT_RUN_TIME``: how the FLOPs profiler counts on this backend (the
+  backward formulas of ops other than products apply to its backward ops;
+  analysis runs once per call site, so counts are checked against each
+  execution's shapes; ops without static shapes are counted from the arrays
+  their routines receive, ``hosted(value)`` saying which can reach one);
+* ``static_shape(value)`` -> tuple or None: the static shape of a value
+  without a ``shape`` attribute (an ONNX ``ValueInfoProto``);
 * ``trainable_parameters(inputs)`` -> ``{key: element count}`` of the op
   inputs that are trainable parameters;
 * ``weight_value(context, position)`` -> ``(NumPy copy, as_tensor)`` of

@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import amanda
+from amanda.runtime import vocabulary
 from amanda.runtime.tool_support import support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
@@ -60,6 +61,7 @@ from amanda.tools.flops_formulas import (  # the formula table; public names re-
     SOFTMAX_TYPES,
     ZERO_FLOP_TYPES,
     SCATTER_BACKWARD_TYPES,
+    PLAIN_VOCABULARY,
     _apply,
     _needed_inputs,
     _numel,
@@ -81,16 +83,22 @@ def format_count(value):
     return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
 
 
-def _backend(namespace):
-    return namespace.split("/", 1)[0]
-
-
-def _parameters(inputs, backend):
+def _parameters(inputs, support):
     """``{key: element count}`` of the inputs that are trainable parameters
     (the backend says which: ``torch.nn.Parameter`` objects; TF values read
     from a variable)."""
-    support = support_for(backend)
     return {} if support is None else support.trainable_parameters(inputs)
+
+
+def _words(namespace):
+    """The vocabulary the formulas ask about an op of ``namespace``."""
+    found = vocabulary.of(namespace)
+    return PLAIN_VOCABULARY if found is None else found
+
+
+def _flag(support, name):
+    """A yes/no fact of a backend's tool support (False without one)."""
+    return bool(getattr(support, name, False)) if support is not None else False
 
 
 class FlopsProfiler(amanda.Tool):
@@ -144,26 +152,27 @@ class FlopsProfiler(amanda.Tool):
 
     # -- analysis ------------------------------------------------------------
     def forward_analysis(self, context):
-        backend = _backend(context.namespace)
-        op_type = normalise_type(context.get("type"), backend)
+        namespace = context.namespace
+        support = support_for(namespace)
+        op_type = normalise_type(context.get("type"), namespace)
         if op_type is None:
-            op_type = normalise_type(context.get_op_name(), backend)
+            op_type = normalise_type(context.get_op_name(), namespace)
         module = module_path_of(context)
-        self._note_module(context, backend, module)
+        self._note_module(context, support, module)
         if op_type in ZERO_FLOP_TYPES:
-            if op_type in SCATTER_BACKWARD_TYPES and backend == "pytorch" \
+            if op_type in SCATTER_BACKWARD_TYPES and _flag(support, "OTHER_BACKWARD_FLOPS") \
                     and context.get_outputs():
                 # no arithmetic forward; its gradient is scattered or summed
                 context["flops"], context["flops_type"] = 0, op_type
                 context["flops_module"] = module
-                context["flops_shape"] = _shape(context.get_outputs()[0])
+                context["flops_shape"] = _shape(context.get_outputs()[0], support)
             return
         formula = FORMULAS.get(op_type)
         flops = None
         if formula is not None:
-            flops = self._compute(formula, op_type, context, backend)
-            if flops is None and backend == "onnx" \
-                    and self._count_at_run_time(context, formula, op_type, module):
+            flops = self._compute(formula, op_type, context, support)
+            if flops is None and _flag(support, "COUNTS_AT_RUN_TIME") \
+                    and self._count_at_run_time(context, formula, op_type, module, support):
                 return
         if flops is None:
             label = op_type if formula is None else f"{op_type} (shape unknown)"
@@ -177,14 +186,14 @@ class FlopsProfiler(amanda.Tool):
         # there has another output shape, the cached count would be stale, so
         # the routines check the output's (or its gradient's) shape (no copy:
         # the tensor itself)
-        check = backend == "pytorch" and len(context.get_outputs()) > 0
-        shape = _shape(context.get_outputs()[0]) if check else None
+        check = _flag(support, "ANALYSED_PER_CALL_SITE") and len(context.get_outputs()) > 0
+        shape = _shape(context.get_outputs()[0], support) if check else None
         context["flops"] = flops
         context["flops_type"] = op_type
         context["flops_module"] = module
         context["flops_shape"] = shape
         inputs = context.get_inputs()
-        context["flops_input_shape"] = _shape(inputs[0]) if inputs else None
+        context["flops_input_shape"] = _shape(inputs[0], support) if inputs else None
         if flops == 0:
             return
         key = (context.namespace, context.get_op_id())
@@ -244,9 +253,8 @@ class FlopsProfiler(amanda.Tool):
         module, shape = context.get("flops_module"), context.get("flops_shape")
         inputs = context.get("flops_input_shape")
         support = support_for(context.namespace)
-        pytorch = _backend(context.namespace) == "pytorch" and support is not None
         costs = None
-        if self.other_backward and pytorch and shape is not None:
+        if self.other_backward and _flag(support, "OTHER_BACKWARD_FLOPS") and shape is not None:
             costs = backward_costs(op_type, _numel(shape),
                                    None if inputs is None else _numel(inputs), flops)
         if costs is None:
@@ -261,38 +269,38 @@ class FlopsProfiler(amanda.Tool):
         context.insert_after_backward_op(self._count_gradients, key=key, op_type=op_type,
                                          module=module, costs=costs)
 
-    def _note_module(self, context, backend, module):
+    def _note_module(self, context, support, module):
         """Remember the module's parameters (the op's inputs that are
         parameters) and the output shape of its latest op (analysis runs in
         execution order, so at the end: its last op's)."""
         if module is None:
             return
         entry = self._modules.setdefault(module, {"params": {}, "shape": None, "last": -1})
-        entry["params"].update(_parameters(context.get_inputs(), backend))
+        entry["params"].update(_parameters(context.get_inputs(), support))
         outputs = context.get_outputs()
         self._analysed += 1
         if outputs:
-            entry["shape"], entry["last"] = _shape(outputs[0]), self._analysed
+            entry["shape"], entry["last"] = _shape(outputs[0], support), self._analysed
 
     @staticmethod
-    def _compute(formula, op_type, context, backend):
-        ins = [_shape(t) for t in context.get_inputs()]
-        outs = [_shape(t) for t in context.get_outputs()]
+    def _compute(formula, op_type, context, support):
+        ins = [_shape(t, support) for t in context.get_inputs()]
+        outs = [_shape(t, support) for t in context.get_outputs()]
         return _apply(formula, op_type, ins, outs[0] if outs else None, context.get_op(),
-                      backend)
+                      _words(context.namespace))
 
-    def _count_at_run_time(self, context, formula, op_type, module):
+    def _count_at_run_time(self, context, formula, op_type, module, support):
         """ONNX ops whose shapes are not static: routines receive the arrays
         the formula needs and count from their shapes. False when a needed
         tensor cannot be handed to a Python routine (float16, unknown type)."""
         inputs, outputs = context.get_inputs(), context.get_outputs()
-        needed = _needed_inputs(formula, op_type, "onnx")
+        needed = _needed_inputs(formula, op_type)
         values = list(inputs[:needed]) + list(outputs[:1])
-        if len(inputs) < needed or not outputs or any(
-                not support_for("onnx").hosted(v) for v in values):
+        if len(inputs) < needed or not outputs or any(not support.hosted(v) for v in values):
             return False
         key = (context.namespace, context.get_op_id())
-        self._dynamic[key] = (formula, op_type, module, context.get_op(), len(inputs))
+        self._dynamic[key] = (formula, op_type, module, context.get_op(), len(inputs),
+                              _words(context.namespace))
         self.records[key] = {"name": context.get_op_name(), "type": op_type, "module": module,
                              "flops": None, "calls": 0, "dynamic": True}
         if needed:
@@ -353,10 +361,10 @@ class FlopsProfiler(amanda.Tool):
         self._pending[key] = [tuple(a.shape) for a in arrays]
 
     def _count_dynamic(self, output, key):
-        formula, op_type, module, op, count = self._dynamic[key]
+        formula, op_type, module, op, count, words = self._dynamic[key]
         ins = self._pending.pop(key, [])
         ins = ins + [None] * (count - len(ins))
-        flops = _apply(formula, op_type, ins, tuple(output.shape), op, "onnx")
+        flops = _apply(formula, op_type, ins, tuple(output.shape), op, words)
         if flops is None:
             self.unknown[f"{op_type} (shape unknown)"] += 1
             return

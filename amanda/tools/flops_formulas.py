@@ -3,7 +3,10 @@
 Op types (canonical, backend-neutral names from
 :data:`amanda.tools.mapping_rules.RULES`) map to a formula in
 :data:`FORMULAS`; :func:`normalise_type` folds backend aliases onto the
-table's names; the ``*_BACKWARD`` tables say how many forward-FLOPs each
+table's names (each backend's vocabulary says how: ``formula_type``, see
+:mod:`amanda.runtime.vocabulary`); a formula asks the vocabulary what only
+the backend knows (a filter's layout, a product's contracted axis); the
+``*_BACKWARD`` tables say how many forward-FLOPs each
 backward op computing a gradient of a convolution or matrix product is
 charged. An op type without a formula is never counted as zero: the
 profiler lists it as unknown. Conventions: see :mod:`amanda.tools.flops`.
@@ -12,8 +15,9 @@ profiler lists it as unknown. Conventions: see :mod:`amanda.tools.flops`.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
-from amanda.runtime.tool_support import support_for
+from amanda.runtime import vocabulary
 from amanda.tools._shapes import dims
 
 __all__ = ["BACKWARD_FORMULAS", "BACKWARD_TYPES", "CONV_TYPES", "ELEMENTWISE_TYPES",
@@ -87,68 +91,31 @@ def _numel(shape):
     return int(math.prod(shape))
 
 
-def _shape(tensor):
-    """A tensor's fully known shape as a tuple of ints, or None."""
+def _shape(tensor, support=None):
+    """A tensor's fully known shape as a tuple of ints, or None. A value
+    without a ``shape`` (an ONNX ``ValueInfoProto``) is read by its
+    backend's tool support (``static_shape``)."""
     if getattr(tensor, "shape", None) is None:
-        return _onnx_shape(tensor)
+        return None if support is None else support.static_shape(tensor)
     known = dims(tensor)
     return None if known is None or None in known else tuple(known)
 
 
-def _onnx_shape(value):
-    """The static shape of an ``onnx.ValueInfoProto``, or None (read by the
-    ONNX support module; ``onnx`` is not imported)."""
-    return support_for("onnx").static_shape(value)
-
-
-def _onnx_attr(node, name, default=0):
-    return support_for("onnx").int_attribute(node, name, default)
-
-
-def _attr(op, name, default=False):
-    get_attr = getattr(op, "get_attr", None)
-    if get_attr is None:
-        return default
-    try:
-        return get_attr(name)
-    except (ValueError, KeyError, TypeError):
-        return default
-    except Exception:  # noqa: BLE001 - any backend error means "no such attr"
-        return default
-
-
-def _conv(op_type, ins, out, op, backend):
+def _conv(op_type, ins, out, op, words):
     weight = ins[1]
     if op_type.startswith("conv_transpose"):
         # weight (Cin, Cout/groups, k...): each input element feeds Cout/g*k outputs
         return 2 * _numel(ins[0]) * _numel(weight[1:])
-    if backend == "tensorflow":
-        if op_type == "depthwise_conv2d":  # filter (KH, KW, Cin, multiplier)
-            return 2 * _numel(out) * _numel(weight[:2])
-        return 2 * _numel(out) * _numel(weight[:-1])  # filter HWIO: KH*KW*Cin
-    return 2 * _numel(out) * _numel(weight[1:])  # weight (Cout, Cin/g, k...) (also ONNX)
+    # the weight elements one output reads: the layout is the backend's
+    return 2 * _numel(out) * words.kernel_elements(op_type, weight)
 
 
-def _matmul(op_type, ins, out, op, backend):
-    if backend == "onnx":
-        a = ins[0]
-        if getattr(op, "op_type", None) == "Gemm":  # A (M, K), or (K, M) with transA
-            return 2 * _numel(out) * (a[0] if _onnx_attr(op, "transA") else a[1])
-        return 2 * _numel(out) * a[-1]  # MatMul: numpy semantics, K = A's last dim
-    if backend == "tensorflow":
-        a = ins[0]
-        if op.type == "MatMul":
-            k = a[0] if _attr(op, "transpose_a") else a[1]
-        else:  # BatchMatMul*: adj_x
-            k = a[-2] if _attr(op, "adj_x") else a[-1]
-        return 2 * _numel(out) * k
-    if op_type == "linear":
-        return 2 * _numel(out) * ins[1][-1]  # weight (out, in)
-    a = ins[1] if op_type in ("addmm", "baddbmm") else ins[0]
-    return 2 * _numel(out) * a[-1]
+def _matmul(op_type, ins, out, op, words):
+    # the contracted dimension: which operand and axis is the backend's
+    return 2 * _numel(out) * words.contracted(op_type, ins, op)
 
 
-def _sdpa(op_type, ins, out, op, backend):
+def _sdpa(op_type, ins, out, op, words):
     # the two matrix products q @ k^T and p @ v, as FlopCounterMode counts
     q, k, v = ins[:3]
     rows = _numel(q[:-1])
@@ -160,7 +127,7 @@ RNN_ELEMENTWISE = {"rnn_tanh": 2, "rnn_relu": 2, "lstm": 13, "gru": 11}
 _RNN_STATES = {"lstm": 2}
 
 
-def _rnn(op_type, ins, out, op, backend):
+def _rnn(op_type, ins, out, op, words):
     """``torch.rnn_tanh/rnn_relu/lstm/gru`` (inputs: the sequence, the
     hidden state(s), then per layer and direction ``w_ih``, ``w_hh`` and
     optional biases). Every time step multiplies each weight matrix (rows,
@@ -180,18 +147,19 @@ def _rnn(op_type, ins, out, op, backend):
     return matmuls + RNN_ELEMENTWISE[op_type] * steps * hidden
 
 
-def _elementwise(op_type, ins, out, op, backend):
+def _elementwise(op_type, ins, out, op, words):
     # ONNX Sum/Max/Min of n inputs: n - 1 binary ops per output element; Mean one more
-    extra = max(len(ins) - 2, 0) if backend == "onnx" else 0
+    extra = max(len(ins) - 2, 0) if words.VARIADIC_ELEMENTWISE else 0
     return (1 + extra + (op_type == "average")) * _numel(out)
 
 
 def _per_input(factor):
-    return lambda op_type, ins, out, op, backend: factor * _numel(ins[0])
+    return lambda op_type, ins, out, op, words: factor * _numel(ins[0])
 
 
-#: Canonical type -> formula(type, input shapes, first output shape, op, backend),
-#: backend being "pytorch", "tensorflow" or "onnx"; a shape is a tuple of ints.
+#: Canonical type -> formula(type, input shapes, first output shape, op, words),
+#: ``words`` being the op's backend's vocabulary (:mod:`amanda.runtime.vocabulary`);
+#: a shape is a tuple of ints.
 FORMULAS = {}
 FORMULAS.update({t: _conv for t in CONV_TYPES})
 FORMULAS.update({t: _matmul for t in MATMUL_TYPES})
@@ -201,21 +169,6 @@ FORMULAS.update({t: _elementwise for t in ELEMENTWISE_TYPES})
 FORMULAS.update({t: _per_input(1) for t in REDUCTION_TYPES})
 FORMULAS.update({t: _per_input(5) for t in NORM_TYPES})
 FORMULAS.update({t: _per_input(3) for t in SOFTMAX_TYPES})
-
-# TensorFlow op types whose canonical type needs renaming.
-_TF_ALIASES = {"batch_mat_mul_v2": "matmul", "batch_mat_mul_v3": "matmul",
-               "fused_batch_norm": "batch_norm", "fused_batch_norm_v2": "batch_norm",
-               "add_v2": "add", "real_div": "div", "max_pool2d": "max_pool2d",
-               "conv2_d": "conv2d", "identity": "identity"}
-
-# ONNX op types whose snake-case name means something else in the table: the
-# variadic element-wise Sum/Max/Min/Mean, the Reduce* ops, the normalisations.
-_ONNX_ALIASES = {"sum": "add", "max": "maximum", "min": "minimum", "mean": "average",
-                 "reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max",
-                 "reduce_min": "min", "reduce_prod": "prod", "reduce_l2": "norm",
-                 "arg_max": "argmax", "arg_min": "argmin",
-                 "instance_normalization": "instance_norm",
-                 "group_normalization": "group_norm"}
 
 # -- backward of the other ops (PyTorch autograd nodes) ---------------------------------
 #
@@ -306,21 +259,30 @@ def backward_costs(op_type, n, n_in, flops):
     return None if costs is None else tuple(max(int(c), 0) for c in costs)
 
 
-def normalise_type(op_type, backend=None):
-    """Fold PyTorch dunder / in-place names (``__iadd__``, ``relu_``) and TF
-    and ONNX aliases onto the formula table's names."""
+#: what the formulas assume of a backend without a vocabulary: weights
+#: ``(out, in, k...)``, products contracting their first operand's last axis
+PLAIN_VOCABULARY = SimpleNamespace(
+    kernel_elements=lambda op_type, weight: _numel(weight[1:]),
+    contracted=lambda op_type, ins, op: (ins[1] if op_type in ("addmm", "baddbmm")
+                                         else ins[0])[-1],
+    VARIADIC_ELEMENTWISE=False)
+
+
+def normalise_type(op_type, namespace=None):
+    """Fold a backend's spellings onto the formula table's names (PyTorch
+    dunder / in-place names such as ``__iadd__`` and ``relu_``, TF and ONNX
+    aliases): the vocabulary of ``namespace``'s backend says how
+    (``formula_type``); without one, leading and trailing ``_`` go."""
     if op_type is None:
         return None
-    if backend == "onnx":
-        return _ONNX_ALIASES.get(op_type, op_type)
-    name = op_type.strip("_")
-    return _TF_ALIASES.get(name, name)
+    words = vocabulary.of(namespace)
+    return op_type.strip("_") if words is None else words.formula_type(op_type)
 
 
-def _needed_inputs(formula, op_type, backend):
+def _needed_inputs(formula, op_type):
     """How many leading inputs the formula reads the shapes of."""
     if formula in (_conv, _matmul):
-        return 3 if op_type in ("addmm", "baddbmm") and backend == "pytorch" else 2
+        return 3 if op_type in ("addmm", "baddbmm") else 2
     if formula is _sdpa:
         return 3
     if formula is _elementwise:
@@ -328,14 +290,15 @@ def _needed_inputs(formula, op_type, backend):
     return 1
 
 
-def _apply(formula, op_type, ins, out, op, backend):
-    """The formula's FLOPs, or None when a shape it needs is unknown."""
+def _apply(formula, op_type, ins, out, op, words):
+    """The formula's FLOPs, or None when a shape it needs is unknown.
+    ``words``: the op's backend's vocabulary."""
     if out is None:
         return None
-    needed = _needed_inputs(formula, op_type, backend)
+    needed = _needed_inputs(formula, op_type)
     if len(ins) < needed or any(s is None for s in ins[:needed]):
         return None
     try:
-        return int(formula(op_type, ins, out, op, backend))
+        return int(formula(op_type, ins, out, op, words))
     except (IndexError, TypeError):
         return None

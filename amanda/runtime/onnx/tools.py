@@ -8,7 +8,8 @@ Importing this module imports neither onnx nor onnxruntime.
 
 from __future__ import annotations
 
-__all__ = ["HOSTED_DTYPES", "MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
+__all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "HOSTED_DTYPES",
+           "MODULE_PATH_SEPARATOR", "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW",
            "attrs_for_new_op", "backward_flop_factor", "backward_flop_operands", "current_run", "hosted",
            "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
            "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
@@ -203,3 +204,17 @@ def is_weight_input(tensor):
 #: Whether an inserted routine runs in order with its op only through the
 #: tensors it hands back (True: onnxruntime orders nodes by dataflow alone).
 ROUTINES_ORDERED_BY_DATAFLOW = True
+
+
+#: FLOPs profiler: whether the backward formulas of ops other than products
+#: (element-wise, normalisations, lookups...) apply to this backend's backward
+#: ops (PyTorch: one autograd node per forward op).
+OTHER_BACKWARD_FLOPS = False
+
+#: Whether analysis runs once per call site, so that a later execution there
+#: may have other shapes (the FLOPs profiler checks them at run time).
+ANALYSED_PER_CALL_SITE = False
+
+#: Whether ops whose shapes are not static are counted from the arrays their
+#: routines receive (``hosted(value)`` says which values can reach one).
+COUNTS_AT_RUN_TIME = True

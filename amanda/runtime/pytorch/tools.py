@@ -20,11 +20,13 @@ import sys
 from amanda.runtime.pytorch.pruning_activation import activation_mask
 from amanda.runtime.pytorch.pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
 
-__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_mask",
+__all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATOR",
+           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_mask",
            "as_tensor_like", "backward_flop_factor", "backward_flop_operands", "call_argument",
            "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
            "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
-           "module_path_from_op", "new_predictor", "no_grad", "stable_op_id", "tensor_stats",
+           "module_path_from_op", "new_predictor", "no_grad", "stable_op_id", "static_shape",
+           "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
@@ -284,3 +286,22 @@ def is_weight_input(tensor):
 #: Whether an inserted routine runs in order with its op only through the
 #: tensors it hands back (False: routines run where they were inserted).
 ROUTINES_ORDERED_BY_DATAFLOW = False
+
+
+#: FLOPs profiler: whether the backward formulas of ops other than products
+#: (element-wise, normalisations, lookups...) apply to this backend's backward
+#: ops (PyTorch: one autograd node per forward op).
+OTHER_BACKWARD_FLOPS = True
+
+#: Whether analysis runs once per call site, so that a later execution there
+#: may have other shapes (the FLOPs profiler checks them at run time).
+ANALYSED_PER_CALL_SITE = True
+
+#: Whether ops whose shapes are not static are counted from the arrays their
+#: routines receive (``hosted(value)`` says which values can reach one).
+COUNTS_AT_RUN_TIME = False
+
+
+def static_shape(value):
+    """None: this backend's values carry their shape (``value.shape``)."""
+    return None

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MODULE_PATH_SEPARATOR", "ROUTINES_ORDERED_BY_DATAFLOW",
+__all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATOR",
+           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW",
            "backward_flop_factor", "backward_flop_operands", "frozen_graph_def", "is_weight_input",
            "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
-           "tf2onnx_converter", "trainable_parameters", "weight_value"]
+           "static_shape", "tf2onnx_converter", "trainable_parameters", "weight_value"]
 
 
 def name_scope(op_name):
@@ -126,3 +127,22 @@ def is_weight_input(tensor):
 #: Whether an inserted routine runs in order with its op only through the
 #: tensors it hands back (False: the runtime adds control dependencies).
 ROUTINES_ORDERED_BY_DATAFLOW = False
+
+
+#: FLOPs profiler: whether the backward formulas of ops other than products
+#: (element-wise, normalisations, lookups...) apply to this backend's backward
+#: ops (PyTorch: one autograd node per forward op).
+OTHER_BACKWARD_FLOPS = False
+
+#: Whether analysis runs once per call site, so that a later execution there
+#: may have other shapes (the FLOPs profiler checks them at run time).
+ANALYSED_PER_CALL_SITE = False
+
+#: Whether ops whose shapes are not static are counted from the arrays their
+#: routines receive (``hosted(value)`` says which values can reach one).
+COUNTS_AT_RUN_TIME = False
+
+
+def static_shape(value):
+    """None: this backend's values carry their shape (``value.shape``)."""
+    return None
