@@ -27,8 +27,10 @@ How it runs here:
   keep each run's values; the run computing the logits ends a step.
 * Per-op extraction rules live in :data:`RULES`, keyed by canonical type.
   Backend attributes (strides, pads...) are read into canonical parameters by
-  a per-namespace reader in :data:`PARAM_READERS`; a reader may name the
-  backend's layouts (from :mod:`~amanda.tools.mapping_tables`: TF ``NHWC``
+  a reader of the op's backend's vocabulary (``PARAM_READERS`` in
+  ``amanda/runtime/<backend>/vocabulary.py``, shown by backend in
+  :data:`PARAM_READERS`); a reader may name the
+  backend's layouts (its vocabulary's rows: TF ``NHWC``
   activations, ``HWIO`` and ``(in, out)`` weights), and the rule then sees
   PyTorch's layouts (``NCHW``, ``OIHW``, ``(out, in)``). An op on the path
   with no rule is reported in :attr:`EffectivePath.unknown` (or raises with

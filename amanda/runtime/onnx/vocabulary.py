@@ -10,11 +10,14 @@ whether their weight input is an initializer.
 
 from __future__ import annotations
 
-from amanda.runtime.onnx.tools import initializer, int_attribute
-from amanda.runtime.vocabulary import snake_case
+import numpy as np
 
-__all__ = ["SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "contracted", "formula_type",
-           "kernel_elements", "op_type", "weight_grad", "weight_layout"]
+from amanda.runtime.onnx.tools import initializer, int_attribute
+from amanda.runtime.vocabulary import Unsupported, axes, snake_case
+
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+           "weight_layout"]
 
 _CONV = ({"input": 0, "weight": 1, "bias": 2}, {"input": "NCHW", "weight": "OIHW"},
          {"stride": "strides", "padding": "pads", "dilation": "dilations",
@@ -127,3 +130,87 @@ def contracted(op_type, ins, node):
 
 
 VARIADIC_ELEMENTWISE = True
+
+
+# -- effective path: a lifted node's parameters (its attributes, ``op.attrs``) ----------
+
+
+def _conv_params(op, values):
+    attrs, rank = op.attrs, np.ndim(values[1]) - 2
+    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise Unsupported(f"auto_pad={attrs['auto_pad']!r} is not supported")
+    return {"strides": tuple(attrs.get("strides", [1] * rank)),
+            "pads": tuple(attrs.get("pads", [0] * 2 * rank)),
+            "dilations": tuple(attrs.get("dilations", [1] * rank)),
+            "groups": int(attrs.get("group", 1))}
+
+
+def _pool_params(op, values):
+    attrs = op.attrs
+    kernel = tuple(attrs["kernel_shape"])
+    return {"kernel": kernel, "strides": tuple(attrs.get("strides", [1] * len(kernel))),
+            "pads": tuple(attrs.get("pads", [0] * 2 * len(kernel))),
+            "dilations": tuple(attrs.get("dilations", [1] * len(kernel))),
+            "count_include_pad": bool(attrs.get("count_include_pad", 0))}
+
+
+def _linear_params(op, values):
+    if op.type == "Gemm" and (op.attrs.get("transA", 0) or np.ndim(values[0]) != 2):
+        raise Unsupported("Gemm with transA is not supported")
+    layout = "OI" if op.type == "Gemm" and op.attrs.get("transB", 0) else "IO"
+    return {"layouts": {"weight": layout}}
+
+
+def _global_pool_params(op, values):
+    ops, _, layouts, _ = SPECS["global_avg_pool2d"]
+    layout = layouts["input"] if op.type in ops else None       # NCHW
+    return {"axes": None if layout is None else (layout.index("H"), layout.index("W"))}
+
+
+def _mean_params(op, values):
+    rank = np.ndim(values[0])
+    found = op.attrs.get("axes")
+    if found is None and len(values) > 1 and values[1] is not None:
+        found = values[1]
+    if found is None or np.size(found) == 0:
+        if op.attrs.get("noop_with_empty_axes", 0):
+            return {"axes": ()}
+        found = range(rank)
+    return {"axes": axes(list(found), rank)}
+
+
+def _pad_params(op, values):
+    if op.attrs.get("mode", "constant") != "constant":
+        return {}
+    pads = op.attrs.get("pads") if len(values) < 2 else values[1]
+    rank = np.ndim(values[0])
+    pads = [int(p) for p in np.asarray(pads).reshape(-1)]
+    if len(values) > 3 and values[3] is not None:     # pads of the listed axes only
+        before = [0] * rank
+        listed = axes(values[3], rank)
+        for a, p in zip(listed, pads[:len(listed)]):
+            before[a] = p
+        return {"before": tuple(before)}
+    return {"before": tuple(pads[:rank])}
+
+
+def _concat_params(op, values):
+    return {"axis": int(op.attrs.get("axis", 0)) % np.ndim(values[0]),
+            "parts": range(len(values))}
+
+
+#: canonical type -> reader(op, input values) -> the effective-path rule's parameters
+PARAM_READERS = {
+    "conv2d": _conv_params,
+    "max_pool2d": _pool_params,
+    "avg_pool2d": _pool_params,
+    "linear": _linear_params,
+    "global_avg_pool2d": _global_pool_params,
+    "reduce_mean": _mean_params,
+    "pad": _pad_params,
+    "concat": _concat_params,
+}
+
+
+def check_params(op):
+    """Every node is read as it is (readers refuse what they do not cover)."""

@@ -6,10 +6,14 @@ module does not import torch.
 
 from __future__ import annotations
 
-from amanda.runtime.vocabulary import snake_case
+import numpy as np
 
-__all__ = ["SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "contracted", "formula_type",
-           "kernel_elements", "op_type", "weight_grad", "weight_layout"]
+from amanda.runtime.pytorch.tools import call_arguments
+from amanda.runtime.vocabulary import axes, pair, snake_case
+
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+           "weight_layout"]
 
 _CONV = {"stride": "stride", "padding": "padding", "dilation": "dilation", "groups": "groups"}
 _POOL = {"kernel": "kernel_size", "stride": "stride", "padding": "padding"}
@@ -106,3 +110,78 @@ def _numel(shape):
     for d in shape:
         count *= d
     return count
+
+
+# -- effective path: a traced call's parameters ----------------------------------------
+# (the frontend's encoding of a call's non-tensor arguments is decoded by
+# ``tools.call_arguments``)
+
+
+def _conv_params(op, values):
+    bound = call_arguments(op, ["*bias", "stride", "padding", "dilation", "groups"])
+    kernel = np.shape(values[1])[2:]
+    dilations = pair(bound.get("dilation"), 1)
+    padding = bound.get("padding", 0)
+    if padding == "valid":
+        pads = (0, 0, 0, 0)
+    elif padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilations, kernel)]
+        pads = (total[0] // 2, total[1] // 2, total[0] - total[0] // 2, total[1] - total[1] // 2)
+    else:
+        ph, pw = pair(padding, 0)
+        pads = (ph, pw, ph, pw)
+    return {"strides": pair(bound.get("stride"), 1), "pads": pads, "dilations": dilations,
+            "groups": int(bound.get("groups") or 1)}
+
+
+def _pool_params(names):
+    def read(op, values):
+        bound = call_arguments(op, names)
+        kernel = pair(bound.get("kernel_size"), 1)
+        ph, pw = pair(bound.get("padding"), 0)
+        params = {"kernel": kernel, "strides": pair(bound.get("stride"), kernel),
+                  "pads": (ph, pw, ph, pw), "dilations": pair(bound.get("dilation"), 1)}
+        for key in ("count_include_pad", "divisor_override"):
+            if key in bound:
+                params[key] = bound[key]
+        return params
+    return read
+
+
+def _mean_params(op, values):
+    dim = call_arguments(op, ["dim", "keepdim"]).get("dim")
+    rank = np.ndim(values[0])
+    return {"axes": axes(range(rank) if dim is None else dim, rank)}
+
+
+def _pad_params(op, values):
+    bound = call_arguments(op, ["pad", "mode", "value"])
+    if bound.get("mode", "constant") != "constant":
+        return {}
+    pad, rank = [int(p) for p in bound["pad"]], np.ndim(values[0])
+    before = [0] * rank
+    for k in range(len(pad) // 2):                     # last axis first
+        before[rank - 1 - k] = pad[2 * k]
+    return {"before": tuple(before)}
+
+
+def _cat_params(op, values):
+    return {"axis": int(call_arguments(op, ["dim"]).get("dim", 0)) % np.ndim(values[0]),
+            "parts": range(len(values))}
+
+
+#: canonical type -> reader(op, input values) -> the effective-path rule's parameters
+PARAM_READERS = {
+    "conv2d": _conv_params,
+    "max_pool2d": _pool_params(["kernel_size", "stride", "padding", "dilation",
+                                "ceil_mode", "return_indices"]),
+    "avg_pool2d": _pool_params(["kernel_size", "stride", "padding", "ceil_mode",
+                                "count_include_pad", "divisor_override"]),
+    "mean": _mean_params,
+    "pad": _pad_params,
+    "cat": _cat_params,
+}
+
+
+def check_params(op):
+    """Every traced call is read as it is."""

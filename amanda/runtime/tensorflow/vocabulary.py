@@ -12,10 +12,13 @@ compositions. Keras' ``GlobalAveragePooling2D`` is one ``Mean`` over the
 
 from __future__ import annotations
 
-from amanda.runtime.vocabulary import snake_case
+import numpy as np
 
-__all__ = ["SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "contracted", "formula_type",
-           "kernel_elements", "op_type", "weight_grad", "weight_layout"]
+from amanda.runtime.vocabulary import Unsupported, axes, snake_case
+
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+           "weight_layout"]
 
 _POOL = {"kernel": "ksize", "stride": "strides", "padding": "padding",
          "data_format": "data_format"}
@@ -149,3 +152,117 @@ def _attr(op, name, default=False):
 
 
 VARIADIC_ELEMENTWISE = False
+
+
+# -- effective path: a lifted op's parameters (its attributes, ``op.attrs``) ------------
+
+
+def _spatial(values):
+    """``(height, width)`` of an NHWC attribute list (``[1, h, w, 1]``)."""
+    return int(values[1]), int(values[2])
+
+
+def _pads(op, size, kernel, strides, dilations):
+    """``(top, left, bottom, right)`` of the ``padding`` attribute on an
+    NHWC input of spatial ``size``."""
+    padding = op.attrs.get("padding", "VALID")
+    if padding == "VALID":
+        return (0, 0, 0, 0)
+    if padding == "EXPLICIT":
+        explicit = [int(p) for p in op.attrs.get("explicit_paddings", [])]
+        return (explicit[2], explicit[4], explicit[3], explicit[5])
+    if padding != "SAME":
+        raise Unsupported(f"padding={padding!r} is not supported")
+    before, after = [], []
+    for length, k, s, d in zip(size, kernel, strides, dilations):
+        total = max((-(-length // s) - 1) * s + (k - 1) * d + 1 - length, 0)
+        before.append(total // 2)
+        after.append(total - total // 2)
+    return (before[0], before[1], after[0], after[1])
+
+
+def _layouts(op, canonical):
+    """The row's layouts of this op (``{"input": "NHWC", "weight": "HWIO"}``
+    for ``Conv2D``), or ``{}`` when the row does not name it."""
+    ops, _, layouts, _ = SPECS[canonical]
+    return dict(layouts) if op.type in ops else {}
+
+
+def _conv_params(op, values):
+    strides = _spatial(op.attrs.get("strides", [1, 1, 1, 1]))
+    dilations = _spatial(op.attrs.get("dilations", [1, 1, 1, 1]))
+    kernel = np.shape(values[1])[:2]               # HWIO
+    size = np.shape(values[0])[1:3]                # NHWC
+    groups = np.shape(values[0])[3] // np.shape(values[1])[2]
+    return {"strides": strides, "dilations": dilations, "groups": int(groups),
+            "pads": _pads(op, size, kernel, strides, dilations),
+            "layouts": _layouts(op, "conv2d")}
+
+
+def _pool_params(canonical):
+    def read(op, values):
+        kernel = _spatial(op.attrs["ksize"])
+        strides = _spatial(op.attrs.get("strides", [1, 1, 1, 1]))
+        size = np.shape(values[0])[1:3]
+        # average pooling divides by the window's elements inside the input
+        return {"kernel": kernel, "strides": strides, "dilations": (1, 1),
+                "pads": _pads(op, size, kernel, strides, (1, 1)),
+                "count_include_pad": False, "layouts": _layouts(op, canonical)}
+    return read
+
+
+def _linear_params(op, values):
+    if op.attrs.get("transpose_a") or np.ndim(values[0]) != 2:
+        raise Unsupported("MatMul with transpose_a or a non-matrix input is not supported")
+    layouts = _layouts(op, "linear")
+    if op.attrs.get("transpose_b"):
+        layouts["weight"] = "OI"
+    return {"layouts": layouts}
+
+
+def _depthwise_params(op, values):
+    params = _conv_params(op, values)
+    params["groups"] = int(np.shape(values[1])[2])      # HWIM: one group per channel
+    params["layouts"] = _layouts(op, "depthwise_conv2d")
+    return params
+
+
+def _mean_params(op, values):
+    rank = np.ndim(values[0])
+    params = {"axes": axes(values[1], rank)}
+    layout = _layouts(op, "global_avg_pool2d").get("input")
+    if rank == 4 and layout is not None \
+            and params["axes"] == (layout.index("H"), layout.index("W")):
+        params["type"] = "global_avg_pool2d"   # Keras GlobalAveragePooling2D
+    return params
+
+
+def _pad_params(op, values):
+    return {"before": tuple(int(p) for p in np.asarray(values[1]).reshape(-1, 2)[:, 0])}
+
+
+def _concat_params(op, values):
+    return {"axis": int(np.asarray(values[-1])) % np.ndim(values[0]),
+            "parts": range(len(values) - 1)}
+
+
+#: canonical type -> reader(op, input values) -> the effective-path rule's parameters
+PARAM_READERS = {
+    "conv2d": _conv_params,
+    "max_pool2d": _pool_params("max_pool2d"),
+    "avg_pool2d": _pool_params("avg_pool2d"),
+    "linear": _linear_params,
+    "depthwise_conv2d": _depthwise_params,
+    "mean": _mean_params,
+    "pad": _pad_params,
+    "pad_v2": _pad_params,
+    "concat_v2": _concat_params,
+}
+
+
+def check_params(op):
+    """Only NHWC graphs are read (a ``data_format`` attribute of ``NCHW`` is refused)."""
+    data_format = op.attrs.get("data_format")
+    if data_format not in (None, "NHWC"):
+        raise Unsupported(f"data_format={data_format!r} is not supported "
+                          f"(TensorFlow graphs: NHWC only)")
