@@ -38,6 +38,9 @@ Every support module exposes:
   the weight the op reads at input ``position`` where the backend reads it
   itself (a PyTorch parameter, an ONNX initializer), else None (the caller
   evaluates it);
+* ``parameter_operand(context, position)`` -> ``(NumPy copy, as_tensor)``
+  of a matrix product's operand that is a 2-D parameter, else None, and
+  ``operand_grad(backward_op)`` -> the position of its gradient (pruning);
 * ``is_weight_input(tensor)`` -> bool: whether a lifted graph's input is a
   weight (an ONNX initializer, a captured PyTorch parameter);
 * ``ROUTINES_ORDERED_BY_DATAFLOW``: whether a routine runs in order with

@@ -29,6 +29,9 @@ A vocabulary module exposes:
   output element of a convolution reads (FLOPs).
 * ``contracted(op_type, input_shapes, op)`` -> the contracted dimension of
   a matrix product (FLOPs).
+* ``WEIGHT_CHANNELS``: whether the pruning and quantization tools slice
+  the backend's weights by channel (the axes: the ``O``/``I`` letters of the
+  weight layouts).
 * ``VARIADIC_ELEMENTWISE``: whether an element-wise op may take more than
   two inputs (ONNX ``Sum``/``Max``/``Min``/``Mean``).
 * ``PARAM_READERS``: ``{canonical type: reader(op, values) -> params}``,
@@ -37,9 +40,6 @@ A vocabulary module exposes:
   :class:`Unsupported` for a form the rules do not cover.
 * ``check_params(op)``: raises :class:`Unsupported` for an IR op whose
   form no reader covers (a TF ``data_format`` other than ``NHWC``).
-* ``CHANNEL_AXES``: ``{canonical type: (output axis, input axis)}`` of the
-  weights the pruning and quantization tools slice per channel (the input
-  axis None where a channel has no input axis of its own: depthwise).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ import numpy as np
 from amanda.runtime import vocabulary
 from amanda.runtime.vocabulary import OpSpec, backend_ops, lookup, specs
 
-__all__ = ["BACKENDS", "TABLE", "OpSpec", "backend_ops", "convert_layout", "lookup", "specs"]
+__all__ = ["BACKENDS", "TABLE", "OpSpec", "backend_ops", "channel_axes", "convert_layout",
+           "lookup", "specs"]
 
 #: the backends with a vocabulary (the built-in ones: PyTorch, TensorFlow, ONNX)
 BACKENDS = vocabulary.backends_with_vocabulary()
@@ -53,3 +54,18 @@ def convert_layout(array, source, target):
     if sorted(source) != sorted(target):
         raise ValueError(f"layouts {source!r} and {target!r} do not have the same axes")
     return np.transpose(np.asarray(array), [source.index(axis) for axis in target])
+
+
+def channel_axes(layout):
+    """``(output-channel axis, input-channel axis)`` of a weight layout, or
+    None for None: the ``O`` and ``I`` axes; a depthwise filter (``M``, its
+    depth multiplier) has its channels on ``I`` and no input axis of its own.
+
+    >>> channel_axes("HWIO"), channel_axes("OI"), channel_axes("HWIM")
+    ((3, 2), (0, 1), (2, None))
+    """
+    if layout is None:
+        return None
+    if "M" in layout:
+        return layout.index("I"), None
+    return layout.index("O"), layout.index("I")

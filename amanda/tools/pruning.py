@@ -47,8 +47,9 @@ import numpy as np
 import amanda
 from amanda import portable
 from amanda.errors import AmandaError
+from amanda.runtime import vocabulary
 from amanda.runtime.tool_support import support_for
-from amanda.tools import mapping_rules
+from amanda.tools import mapping_rules, mapping_tables
 from amanda.tools._module_path import module_path_of
 from amanda.tools.mapping import MappingTool
 
@@ -58,12 +59,11 @@ __all__ = ["Pruner", "PrunedLayer", "magnitude_mask", "nm_mask", "channel_mask",
 #: Canonical op types pruned by default (those the mapping rules give a weight).
 PRUNED_TYPES = ("conv2d", "depthwise_conv2d", "linear", "addmm", "mm", "matmul")
 
-#: PyTorch matrix products pruned where an operand is a 2-D parameter laid
-#: out (in, out) (transformers' ``Conv1D``: ``torch.addmm(b, x, W)``): the
-#: operand's position, and the position of its gradient among the
-#: gradients of each backward op that computes it.
+#: Matrix products pruned where an operand is a 2-D parameter laid out
+#: (in, out) (transformers' ``Conv1D``: ``torch.addmm(b, x, W)``): the
+#: operand's position (the backend says whether it is a parameter, and
+#: which gradient of each backward op is that operand's).
 PARAMETER_PRODUCTS = {"addmm": 2, "mm": 1, "matmul": 1}
-_PRODUCT_GRADS = {"AddmmBackward0": 2, "MmBackward0": 1}
 
 
 # -- masks (NumPy, any layout) ---------------------------------------------------------
@@ -162,39 +162,24 @@ def mask_grad(grad, mask):
 
 # -- mapping: where a weight's output and input channels are ------------------------------
 
-def _pytorch_layout_rule(context):
-    # OIHW convolutions and (out, in) linear weights
-    if context.is_forward() and context.get("weight_input") is not None:
-        context["weight_channel_axis"] = 0
-        context["weight_input_axis"] = 1
-
-
-# (output axis, input axis) in TF layouts: HWIO, HWCM, (in, out)
-_TF_AXES = {"conv2d": (3, 2), "depthwise_conv2d": (2, None), "linear": (1, 0)}
-
-
-def _tensorflow_layout_rule(context):
-    axes = _TF_AXES.get(context.get("type")) if context.is_forward() else None
-    if axes is None:
+def _layout_rule(context):
+    """The channel axes of the weight's layout (``context["weight_layout"]``:
+    PyTorch ``OIHW`` and ``(out, in)``; TF ``HWIO``, ``HWIM`` and ``(in,
+    out)``, or ``(out, in)`` for a ``MatMul`` with ``transpose_b``), on
+    backends whose vocabulary has ``WEIGHT_CHANNELS``."""
+    if not context.is_forward() or context.get("weight_input") is None:
         return
-    out_axis, in_axis = axes
-    if context["type"] == "linear" and _attr(context.get_op(), "transpose_b"):
-        out_axis, in_axis = in_axis, out_axis   # MatMul(x, w, transpose_b=True): w is (out, in)
-    context["weight_channel_axis"] = out_axis
-    context["weight_input_axis"] = in_axis
-
-
-def _attr(op, name):
-    try:
-        return bool(op.get_attr(name))
-    except Exception:  # noqa: BLE001 - no such attribute
-        return False
+    words = vocabulary.of(context.namespace)
+    axes = mapping_tables.channel_axes(context.get("weight_layout")) \
+        if words is not None and words.WEIGHT_CHANNELS else None
+    if axes is not None:
+        context["weight_channel_axis"], context["weight_input_axis"] = axes
 
 
 #: Set ``"weight_channel_axis"`` (output channels) and ``"weight_input_axis"``
 #: (input channels; None for depthwise convolutions) on forward contexts of
 #: ops with a weight, in the backend's weight layout.
-LAYOUT_RULES = [["pytorch", _pytorch_layout_rule], ["tensorflow", _tensorflow_layout_rule]]
+LAYOUT_RULES = [["", _layout_rule]]
 
 
 # -- the tool --------------------------------------------------------------------------------
@@ -246,18 +231,15 @@ def _pattern(pattern):
 
 def _parameter_operand(context):
     """``(position, weight (NumPy copy), as_tensor, (out axis, in axis))``
-    for a PyTorch matrix product (`PARAMETER_PRODUCTS`) whose operand is a
-    2-D parameter, else None."""
+    for a matrix product (`PARAMETER_PRODUCTS`) whose operand is a 2-D
+    parameter (the backend says: ``parameter_operand``), else None."""
     position = PARAMETER_PRODUCTS.get(context.get("type"))
-    if position is None or not str(context.namespace).startswith("pytorch"):
+    support = None if position is None else support_for(context.namespace)
+    found = None if support is None else support.parameter_operand(context, position)
+    if found is None:
         return None
-    inputs = context.get_inputs()
-    operand = inputs[position] if position < len(inputs) else None
-    support = support_for(context.namespace)
-    if operand is None or len(getattr(operand, "shape", ())) != 2 \
-            or not support.trainable_parameters([operand]):
-        return None
-    return position, _to_numpy(operand).copy(), support.as_tensor_like(operand), (1, 0)
+    weight, as_tensor = found
+    return position, weight, as_tensor, (1, 0)
 
 
 def _to_numpy(value):
@@ -390,7 +372,8 @@ class Pruner(amanda.Tool):
         layer = context.get("prune_layer")
         position = context.get("weight_grad")
         if layer is not None and layer.type in PARAMETER_PRODUCTS:
-            position = _PRODUCT_GRADS.get(getattr(context.get_backward_op(), "__name__", None))
+            support = support_for(context.namespace)
+            position = None if support is None else support.operand_grad(context.get_backward_op())
         if layer is None or position is None:
             return
         grads = context.get_grad_inputs()

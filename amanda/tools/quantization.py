@@ -48,7 +48,8 @@ import numpy as np
 import amanda
 from amanda import portable
 from amanda.errors import AmandaError, ToolError
-from amanda.tools import mapping_rules
+from amanda.runtime import vocabulary
+from amanda.tools import mapping_rules, mapping_tables
 from amanda.tools.mapping import MappingTool
 
 __all__ = [
@@ -279,24 +280,24 @@ class QParams:
 
 # -- mapping: where a weight's output channels are ------------------------------------------
 
-def _pytorch_channel_rule(context):
-    # OIHW convolutions and (out, in) linear weights: channels first
-    if context.get("weight_input") is not None:
-        context["weight_channel_axis"] = 0
-
-
-_TF_CHANNEL_AXES = {"conv2d": 3, "depthwise_conv2d": 2, "linear": 1}   # HWIO, HWCM, (in, out)
-
-
-def _tensorflow_channel_rule(context):
-    axis = _TF_CHANNEL_AXES.get(context.get("type"))
-    if axis is not None:
-        context["weight_channel_axis"] = axis
+def _channel_rule(context):
+    """The output-channel axis of the layout of the op type's weight (PyTorch
+    ``OIHW`` and ``(out, in)``: 0; TF ``HWIO``: 3, ``HWIM``: 2, ``(in, out)``:
+    1), on backends whose vocabulary has ``WEIGHT_CHANNELS``."""
+    if context.get("weight_input") is None:
+        return
+    words = vocabulary.of(context.namespace)
+    if words is None or not words.WEIGHT_CHANNELS:
+        return
+    spec = vocabulary.row(context.namespace, context.get("type"))
+    axes = mapping_tables.channel_axes(None if spec is None else spec.layout("weight"))
+    if axes is not None:
+        context["weight_channel_axis"] = axes[0]
 
 
 #: Sets ``"weight_channel_axis"`` (the output-channel axis of the op's weight
 #: in the backend's layout) on contexts of ops with a weight.
-CHANNEL_RULES = [["pytorch", _pytorch_channel_rule], ["tensorflow", _tensorflow_channel_rule]]
+CHANNEL_RULES = [["", _channel_rule]]
 
 
 def _is_eager(context):

@@ -12,7 +12,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "HOSTED_DTYPES",
            "MODULE_PATH_SEPARATOR", "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW",
            "attrs_for_new_op", "backward_flop_factor", "backward_flop_operands", "current_run", "hosted",
            "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
-           "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
+           "load_model", "module_path_from_op", "operand_grad", "parameter_operand", "node_attribute", "onnx_module_path",
            "stable_op_id", "static_shape", "tensor_values", "trainable_parameters", "weight_value"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
@@ -218,3 +218,14 @@ ANALYSED_PER_CALL_SITE = False
 #: Whether ops whose shapes are not static are counted from the arrays their
 #: routines receive (``hosted(value)`` says which values can reach one).
 COUNTS_AT_RUN_TIME = True
+
+
+def parameter_operand(context, position):
+    """None: no matrix product of this backend reads a parameter the
+    pruning tool prunes as an operand (weights are ``weight_input``)."""
+    return None
+
+
+def operand_grad(backward_op):
+    """None (see ``parameter_operand``)."""
+    return None

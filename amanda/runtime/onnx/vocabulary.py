@@ -15,7 +15,8 @@ import numpy as np
 from amanda.runtime.onnx.tools import initializer, int_attribute
 from amanda.runtime.vocabulary import Unsupported, axes, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
+           "check_params",
            "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
            "weight_layout"]
 
@@ -128,6 +129,10 @@ def contracted(op_type, ins, node):
         return a[0] if int_attribute(node, "transA") else a[1]
     return a[-1]
 
+
+#: Whether the pruning and quantization tools slice this backend's weights
+#: by channel (the axes come from the weight layouts; ONNX: not yet).
+WEIGHT_CHANNELS = False
 
 VARIADIC_ELEMENTWISE = True
 

@@ -25,7 +25,8 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATO
            "as_tensor_like", "backward_flop_factor", "backward_flop_operands", "call_argument",
            "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
            "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
-           "module_path_from_op", "new_predictor", "no_grad", "stable_op_id", "static_shape",
+           "module_path_from_op", "new_predictor", "no_grad", "operand_grad", "parameter_operand",
+           "stable_op_id", "static_shape",
            "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
 
@@ -128,6 +129,29 @@ def weight_value(context, position):
     ``position`` (mapping rules: ``context["weight"]``)."""
     weight = context.get_inputs()[position]
     return weight.detach().cpu().numpy().copy(), as_tensor_like(weight)
+
+
+def parameter_operand(context, position):
+    """``(NumPy copy, as_tensor)`` of the op's input ``position`` where it
+    is a 2-D parameter (a matrix product reading a weight laid out
+    ``(in, out)``: transformers' ``Conv1D``, ``torch.addmm(b, x, W)``), else None."""
+    inputs = context.get_inputs()
+    operand = inputs[position] if position < len(inputs) else None
+    if operand is None or len(getattr(operand, "shape", ())) != 2 \
+            or not trainable_parameters([operand]):
+        return None
+    return operand.detach().cpu().numpy().copy(), as_tensor_like(operand)
+
+
+# autograd nodes of matrix products -> the position of the gradient of their
+# parameter operand (``parameter_operand``)
+_OPERAND_GRADS = {"AddmmBackward0": 2, "MmBackward0": 1}
+
+
+def operand_grad(backward_op):
+    """The position, among a matrix product's backward op's gradients, of
+    its parameter operand's gradient, or None."""
+    return _OPERAND_GRADS.get(getattr(backward_op, "__name__", None))
 
 
 def _stored(tensor):

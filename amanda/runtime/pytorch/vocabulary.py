@@ -11,7 +11,8 @@ import numpy as np
 from amanda.runtime.pytorch.tools import call_arguments
 from amanda.runtime.vocabulary import axes, pair, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
+           "check_params",
            "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
            "weight_layout"]
 
@@ -101,6 +102,10 @@ def contracted(op_type, ins, op):
         return ins[1][-1]
     return (ins[1] if op_type in ("addmm", "baddbmm") else ins[0])[-1]
 
+
+#: Whether the pruning and quantization tools slice this backend's weights
+#: by channel (the axes come from the weight layouts).
+WEIGHT_CHANNELS = True
 
 VARIADIC_ELEMENTWISE = False
 

@@ -10,7 +10,7 @@ import math
 __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATOR",
            "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW",
            "backward_flop_factor", "backward_flop_operands", "frozen_graph_def", "is_weight_input",
-           "is_whole_graph", "module_path_from_op", "name_scope", "stable_op_id",
+           "is_whole_graph", "module_path_from_op", "operand_grad", "parameter_operand", "name_scope", "stable_op_id",
            "static_shape", "tf2onnx_converter", "trainable_parameters", "weight_value"]
 
 
@@ -145,4 +145,15 @@ COUNTS_AT_RUN_TIME = False
 
 def static_shape(value):
     """None: this backend's values carry their shape (``value.shape``)."""
+    return None
+
+
+def parameter_operand(context, position):
+    """None: no matrix product of this backend reads a parameter the
+    pruning tool prunes as an operand (weights are ``weight_input``)."""
+    return None
+
+
+def operand_grad(backward_op):
+    """None (see ``parameter_operand``)."""
     return None

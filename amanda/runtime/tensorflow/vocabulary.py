@@ -16,7 +16,8 @@ import numpy as np
 
 from amanda.runtime.vocabulary import Unsupported, axes, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "check_params",
+__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
+           "check_params",
            "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
            "weight_layout"]
 
@@ -150,6 +151,10 @@ def _attr(op, name, default=False):
     except Exception:  # noqa: BLE001 - any TF error means "no such attr"
         return default
 
+
+#: Whether the pruning and quantization tools slice this backend's weights
+#: by channel (the axes come from the weight layouts).
+WEIGHT_CHANNELS = True
 
 VARIADIC_ELEMENTWISE = False
 
