@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from amanda.runtime import backends
 
-__all__ = ["module_path_from_op", "support_for"]
+__all__ = ["for_value", "module_path_from_op", "provider", "support_for"]
 
 
 def support_for(namespace):
@@ -72,6 +72,26 @@ def support_for(namespace):
     """
     backend = backends.for_namespace(namespace)
     return None if backend is None else backend.part("tool_support")
+
+
+def for_value(value):
+    """The tool-support module of the backend whose tensor (or model)
+    ``value`` is (``torch.Tensor``, ``torch.nn.Module``: PyTorch's), or
+    None for a NumPy array or any value no backend claims."""
+    backend = backends.for_value(value)
+    return None if backend is None else backend.part("tool_support")
+
+
+def provider(name):
+    """The tool-support module of the first registered backend offering
+    ``name``, a capability only some backend has (PyTorch's
+    ``kernel_profiler``, ONNX's ``tensor_values``), or None. Loading the
+    modules imports no framework."""
+    for backend in backends.all_backends():
+        support = None if backend.tool_support is None else backend.part("tool_support")
+        if support is not None and hasattr(support, name):
+            return support
+    return None
 
 
 def module_path_from_op(context):

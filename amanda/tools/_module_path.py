@@ -9,9 +9,7 @@ same module path in all of them. The rule is the backend's, applied by
 
 from __future__ import annotations
 
-from amanda.runtime.onnx.tools import onnx_module_path
-
-__all__ = ["module_path_of", "onnx_module_path"]
+__all__ = ["module_path_of"]
 
 
 def module_path_of(context):
@@ -24,7 +22,7 @@ def module_path_of(context):
       ``"dense_1/MatMul"``); for a backward context without a forward op,
       the backward op's name scope.
     - ONNX: the module path a PyTorch exporter encoded in the node name
-      (see :func:`onnx_module_path`).
+      (``amanda.runtime.onnx.tools.onnx_module_path``).
 
     Args:
         context: an :class:`amanda.OpContext`, forward or backward.

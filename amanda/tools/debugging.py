@@ -13,15 +13,30 @@ import re
 import numpy as np
 
 import amanda
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import for_value
 
 __all__ = ["NanError", "NanReport", "NanDetector", "OpStatistics", "tensor_stats"]
 
 
 # -- helpers accepting torch tensors and NumPy arrays ------------------------
 
+def _stats_support(value):
+    """The tool support of the backend whose tensor ``value`` is, where it
+    computes statistics itself (PyTorch: ``has_nonfinite``, ``tensor_stats``);
+    None for NumPy arrays and other values."""
+    kind = type(value)
+    if kind not in _STATS_SUPPORT:
+        support = for_value(value)
+        _STATS_SUPPORT[kind] = support if hasattr(support, "tensor_stats") else None
+    return _STATS_SUPPORT[kind] if hasattr(value, "detach") else None
+
+
+_STATS_SUPPORT = {}   # value type -> its backend's tool support, where it computes statistics
+
+
 def _is_torch(value):
-    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+    """A framework tensor whose statistics its backend computes."""
+    return _stats_support(value) is not None
 
 
 def _is_array(value):
@@ -46,7 +61,7 @@ def _has_nonfinite(value):
     if not _is_array(value) or not _is_floating(value):
         return False
     if _is_torch(value):
-        return support_for("pytorch").has_nonfinite(value)
+        return _stats_support(value).has_nonfinite(value)
     return not bool(np.isfinite(np.asarray(value)).all())
 
 
@@ -61,7 +76,7 @@ def tensor_stats(value):
         return None
     if _is_torch(value):
         shape, dtype, numel, nan, inf, zeros, mn, mx, mean, std = \
-            support_for("pytorch").tensor_stats(value)
+            _stats_support(value).tensor_stats(value)
     else:
         a = np.asarray(value)
         shape, dtype = tuple(a.shape), str(a.dtype)

@@ -39,7 +39,7 @@ import dataclasses
 import numpy as np
 
 import amanda
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import provider
 from amanda.tools.diff_tf import (  # TensorFlow vs its ONNX conversion, importable from here
     OpDiffReport,
     OpDivergence,
@@ -203,11 +203,11 @@ def diff_torch_onnx(model, args, onnx_model=None, rtol=1e-4, atol=1e-5, opset=17
     Returns:
         A :class:`DiffReport`.
     """
-    torch_support = support_for("pytorch")
+    torch_support = provider("export_onnx")     # the backend exporting models to ONNX
     if onnx_model is None:
         onnx_model = torch_support.export_onnx(model, args, opset)
     else:
-        onnx_model = support_for("onnx").load_model(onnx_model)
+        onnx_model = provider("load_model").load_model(onnx_model)
     recorder = ModuleRecorder()
     with torch_support.no_grad(), amanda.apply(recorder):
         expected = model(*args)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import provider
 
 __all__ = ["onnx_tensor_values"]
 
@@ -17,7 +17,8 @@ _ORT_IR_VERSION = 10   # onnxruntime 1.31 reads IR versions up to 13; onnx write
 def onnx_tensor_values(model, feeds, names=()):
     """`amanda.runtime.onnx.tools.tensor_values` for this onnxruntime: a
     dict tensor name -> array of the model's outputs and ``names``."""
-    return support_for("onnx").tensor_values(model, feeds, names, max_ir_version=_ORT_IR_VERSION)
+    return provider("tensor_values").tensor_values(model, feeds, names,
+                                                   max_ir_version=_ORT_IR_VERSION)
 
 
 def _errors(a, b):

@@ -175,6 +175,7 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
             inputs = context.get_inputs()
             first = [0] if inputs and inputs[0] is not None else []
             with hosted_observation():   # timers: inside the run, next to the op
+                self._current_run = support.current_run   # which run a routine is in
                 context.insert_before_op(self._onnx_start, inputs=first, info=info)
                 context.insert_after_op(self._onnx_stop, outputs=[0], info=info)
             return
@@ -199,7 +200,7 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
 
     # -- instrumentation routines (observe only) ---------------------------------
     def _onnx_start(self, *tensors, info):
-        self._open[(self._run(), info)] = self.clock()
+        self._open[(self._current_run(), info)] = self.clock()
         return tensors   # handed back: the op waits for this routine
 
     def _onnx_stop(self, *tensors, info):
@@ -208,7 +209,7 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
         # op's end in the same run (its start routine may have run while
         # other ops still executed), so sequential events never overlap
         end = self.clock()
-        run = self._run()
+        run = self._current_run()
         start = self._open.pop((run, info), None)
         previous = self._ends.get(run)
         self._ends[run] = end
@@ -217,10 +218,6 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
                 start = previous
             self.events.append((info, start, end))
         return tensors
-
-    @staticmethod
-    def _run():
-        return support_for("onnx").current_run()
 
     def _start(self, *unused, info):
         record_function = self._record_function

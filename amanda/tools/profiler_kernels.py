@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections import defaultdict
 
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import provider
 from amanda.tools.profiler_events import RANGE_PREFIX
 
 __all__ = ["KernelRecording", "quiet_kineto"]
@@ -45,7 +45,7 @@ class KernelRecording:
         Yields:
             The ``torch.profiler.profile`` object.
         """
-        prof, record_function = support_for("pytorch").kernel_profiler(activities)
+        prof, record_function = provider("kernel_profiler").kernel_profiler(activities)
         first = len(self.events)
         with quiet_kineto():
             prof.__enter__()

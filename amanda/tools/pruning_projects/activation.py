@@ -19,7 +19,7 @@ PyTorch model.
 from __future__ import annotations
 
 import amanda
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import for_value
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
@@ -53,6 +53,6 @@ class ActivationPruner(amanda.Tool):
 
     def prune(self, x, key):
         """``x`` with its pruned values zeroed."""
-        pruned = x * support_for("pytorch").activation_mask(x, self.sparsity)
+        pruned = x * for_value(x).activation_mask(x, self.sparsity)
         self.sparsities[key] = float((pruned == 0).float().mean())
         return pruned

@@ -24,7 +24,7 @@ optimizer after a first forward.
 from __future__ import annotations
 
 import amanda
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import for_value, support_for
 from amanda.tools import mapping_rules
 from amanda.tools.mapping import MappingTool
 
@@ -60,7 +60,7 @@ class FeatureBoosting(amanda.Tool):
         key = (context.namespace, context.get_op_id())
         weight = context.get_inputs()[1]
         if key not in self.predictors:
-            self.predictors[key] = support_for("pytorch").new_predictor(
+            self.predictors[key] = support_for(context.namespace).new_predictor(
                 weight.shape[1], weight.shape[0], len(self.predictors), self.seed)
         slot = {"key": key}
         with amanda.ad_enabled():     # the gate trains the predictor and the model
@@ -73,7 +73,7 @@ class FeatureBoosting(amanda.Tool):
 
     def gate_output(self, y, slot):
         """The convolution's output times the winner-take-all saliencies."""
-        support = support_for("pytorch")
+        support = for_value(y)
         saliency = support.fbs_saliency(self.predictors[slot["key"]], slot.pop("input"))
         gate, mask = support.wta_gate(saliency, self.density)
         self.masks[slot["key"]] = mask.detach()
