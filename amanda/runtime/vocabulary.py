@@ -51,8 +51,8 @@ import numpy as np
 
 from amanda.runtime import backends
 
-__all__ = ["OpSpec", "Unsupported", "axes", "backend_ops", "backends_with_vocabulary",
-           "canonical_type", "lookup", "of", "pair", "row", "snake_case", "specs", "table"]
+__all__ = ["OpSpec", "Unsupported", "axes", "backend_of", "backend_ops",
+           "backends_with_vocabulary", "canonical_type", "canonical_types", "lookup", "of", "pair", "row", "snake_case", "specs", "table"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,21 @@ def backend_ops(namespace):
 def specs(canonical):
     """backend -> :class:`OpSpec` for one canonical type."""
     return dict(table().get(canonical, {}))
+
+
+def canonical_types(namespace, op_name):
+    """Every canonical type whose row of a namespace's backend names
+    ``op_name`` (an ONNX ``MatMul`` is ``{"linear", "matmul"}``)."""
+    backend = backends.for_namespace(namespace)
+    rows = {} if backend is None else _rows(backend.name)[0]
+    return {canonical for canonical, spec in rows.items() if op_name in spec.ops}
+
+
+def backend_of(value):
+    """The name of the backend whose tensor, program or model ``value`` is
+    (a TF ``Session``, an ``onnx.ModelProto``), or None."""
+    backend = backends.for_value(value) or backends.for_program(value)
+    return None if backend is None else backend.name
 
 
 def snake_case(name):

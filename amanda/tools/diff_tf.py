@@ -14,7 +14,8 @@ import numpy as np
 
 import amanda
 from amanda.errors import ToolError
-from amanda.runtime.tool_support import support_for
+from amanda.runtime import vocabulary
+from amanda.runtime.tool_support import for_value, provider
 from amanda.tools import mapping_tables
 from amanda.tools.diff_values import _ORT_IR_VERSION, _errors, onnx_tensor_values
 
@@ -207,7 +208,7 @@ def tf_to_onnx(session, inputs, outputs, opset=17):
     Raises:
         ToolError: tf2onnx is missing or fails on the graph.
     """
-    tf_support = support_for("tensorflow")
+    tf_support = for_value(session)     # the session's backend freezes and converts
     try:
         convert = tf_support.tf2onnx_converter()
     except ImportError:
@@ -262,27 +263,23 @@ def _data_path(graph, feeds, fetches):
     return path
 
 
-def _canonical_types(backend, op_type):
-    return {canonical for canonical, backends in mapping_tables.TABLE.items()
-            if backend in backends and op_type in backends[backend].ops}
-
-
-def _same_op(tf_type, onnx_type):
+def _same_op(tf_type, onnx_type, backends):
     """Whether a TF op type and an ONNX op type are the same op: a common
-    canonical type in the mapping tables, else the same type name."""
-    tf_canonical = _canonical_types("tensorflow", tf_type)
-    onnx_canonical = _canonical_types("onnx", onnx_type)
+    canonical type in the backends' vocabularies, else the same type name.
+    ``backends``: the names of the two backends (of the session and the model)."""
+    tf_canonical = vocabulary.canonical_types(backends[0], tf_type)
+    onnx_canonical = vocabulary.canonical_types(backends[1], onnx_type)
     if tf_canonical and onnx_canonical:
         return bool(tf_canonical & onnx_canonical)
     return tf_type.lower() == onnx_type.lower()
 
 
-def _onnx_layout(onnx_type):
-    spec = mapping_tables.lookup("onnx", onnx_type)
+def _onnx_layout(onnx_type, backend):
+    spec = vocabulary.lookup(backend, onnx_type)
     return spec.layout("input") if spec is not None else None
 
 
-def _layouts(tf_value, onnx_value, onnx_type):
+def _layouts(tf_value, onnx_value, onnx_type, backend):
     """The ways to lay the TF value out like the ONNX one, preferred first:
     ``[(name, array)]``, empty when no layout gives the ONNX shape."""
     tf_value, onnx_shape = np.asarray(tf_value), np.shape(onnx_value)
@@ -293,7 +290,7 @@ def _layouts(tf_value, onnx_value, onnx_type):
         moved = mapping_tables.convert_layout(tf_value, "NHWC", "NCHW")
         if moved.shape == onnx_shape:
             candidates.append(("NHWC->NCHW", moved))
-    if _onnx_layout(onnx_type) == "NCHW":
+    if _onnx_layout(onnx_type, backend) == "NCHW":
         candidates.sort(key=lambda c: c[0] == "same")
     if not candidates and np.squeeze(tf_value).shape == np.squeeze(onnx_value).shape:
         # dropping size-1 axes keeps the element order ((1, C) vs (1, C, 1, 1))
@@ -337,7 +334,7 @@ def _onnx_data_inputs(node, producers):
 _PASS_THROUGH = ("Transpose", "Identity")
 
 
-def _match(path_ops, producers):
+def _match(path_ops, producers, backends):
     """Pairs ``(TF tensor, ONNX node, ONNX tensor name, how)`` to compare, in
     TF execution order.
 
@@ -358,7 +355,7 @@ def _match(path_ops, producers):
     work = list(plan)
     while work:
         tensor, node, _, _ = work.pop()
-        if not _same_op(tensor.op.type, node.op_type):
+        if not _same_op(tensor.op.type, node.op_type, backends):
             continue
         tf_inputs = _data_inputs(tensor.op, path_ops)
         onnx_inputs = _onnx_data_inputs(node, producers)
@@ -424,7 +421,8 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
     if onnx_model is None:
         onnx_model = tf_to_onnx(session, list(feeds), fetches, opset=opset)
     else:
-        onnx_model = support_for("onnx").load_model(onnx_model)
+        onnx_model = provider("load_model").load_model(onnx_model)
+    backends = (vocabulary.backend_of(session), vocabulary.backend_of(onnx_model))
 
     nodes = list(onnx_model.graph.node)
     order = {node.name: index for index, node in enumerate(nodes)}
@@ -432,7 +430,7 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
     path = _data_path(graph, feeds, fetches)
     path_ops = {op: index for index, op in enumerate(path)}
     initializers = {t.name for t in onnx_model.graph.initializer}
-    plan = _match(path_ops, producers)
+    plan = _match(path_ops, producers, backends)
     matched_ops = {tensor.op for tensor, *_ in plan}
     matched_onnx = {onnx_name for _, _, onnx_name, _ in plan}
     tf_names = {t.name for op in graph.get_operations() for t in op.outputs}
@@ -460,7 +458,7 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
         if tf_value is None:   # not numeric, or did not run
             continue
         onnx_value = onnx_values[onnx_name]
-        candidates = _layouts(tf_value, onnx_value, node.op_type)
+        candidates = _layouts(tf_value, onnx_value, node.op_type, backends[1])
         if not candidates:
             incomparable.append((tensor.name, tuple(np.shape(tf_value)),
                                  tuple(np.shape(onnx_value))))
@@ -472,15 +470,16 @@ def diff_tf_onnx(session, feeds, outputs, onnx_model=None, rtol=1e-4, atol=0.0, 
         close = [name for name, _ in candidates if errors[name] <= atol + rtol * scale]
         layout = close[0] if close else candidates[0][0]
         match = OpMatch(tensor.name, tensor.op.name, tensor.op.type, node.name, node.op_type,
-                        _same_op(tensor.op.type, node.op_type), covered, onnx_covered, layout,
-                        onnx_name, by, errors[layout], scale)
+                        _same_op(tensor.op.type, node.op_type, backends), covered, onnx_covered,
+                        layout, onnx_name, by, errors[layout], scale)
         compared.append(match)
         if close or first is not None:
             continue
         culprit = tensor.op
         if not match.same_op:
             culprit = next((graph.get_operation_by_name(name) for name in reversed(covered)
-                            if _same_op(graph.get_operation_by_name(name).type, node.op_type)),
+                            if _same_op(graph.get_operation_by_name(name).type, node.op_type,
+                                        backends)),
                            tensor.op)
         abs_error, rel_error = _errors(dict(candidates)[layout], onnx_value)
         first = OpDivergence(culprit.name, culprit.type, node.name, node.op_type, tensor.name,
