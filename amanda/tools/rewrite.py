@@ -52,7 +52,7 @@ from amanda.tools.rewrite_rules import (
     fold_batchnorm_rules,
     gelu_tanh_rules,
 )
-from amanda.tools.rewrite_rules._common import pattern
+from amanda.passes.rewrite_helpers import pattern
 
 __all__ = [
     "ANY", "Explanation", "Match", "Pattern", "RewriteError", "RewriteResult", "Rule", "constraint",

@@ -26,8 +26,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATO
            "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
            "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
            "module_path_from_op", "new_predictor", "no_grad", "operand_grad", "parameter_operand",
-           "stable_op_id", "static_shape",
-           "tensor_stats",
+           "rewrite_rules", "stable_op_id", "static_shape", "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
@@ -329,3 +328,12 @@ COUNTS_AT_RUN_TIME = False
 def static_shape(value):
     """None: this backend's values carry their shape (``value.shape``)."""
     return None
+
+
+def rewrite_rules():
+    """This backend's variants of the example rule sets
+    (:mod:`amanda.tools.rewrite_rules`): a module with
+    ``fold_batchnorm_rules()``, ``gelu_tanh_rules()`` and
+    ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
+    from amanda.runtime.pytorch import rewrite_rules as variants
+    return variants

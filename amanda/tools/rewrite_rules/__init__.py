@@ -9,7 +9,9 @@ per-backend variant (op vocabularies differ):
 
 Each takes ``backend`` (``"pytorch"``, ``"tensorflow"`` or ``"onnx"``) and
 returns a list of :class:`~amanda.passes.rewrite.Rule`; all are importable
-from :mod:`amanda.tools.rewrite` too.
+from :mod:`amanda.tools.rewrite` too. The variants are each backend's own
+(``amanda/runtime/<backend>/rewrite_rules.py``, found through its tool
+support); what they share is :mod:`amanda.passes.rewrite_helpers`.
 """
 
 from amanda.tools.rewrite_rules.batchnorm import fold_batchnorm_rules
