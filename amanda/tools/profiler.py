@@ -64,7 +64,7 @@ from collections import defaultdict
 import amanda
 from amanda.errors import AmandaError
 from amanda.runtime.observation import hosted_observation
-from amanda.runtime.tool_support import support_for
+from amanda.runtime.tool_support import provider, support_for
 from amanda.tools import mapping_rules
 from amanda.tools._module_path import module_path_of
 from amanda.tools._shapes import dims
@@ -445,8 +445,7 @@ def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
 def _render_docs_figure(path):
     """Profile one training step of a small random BERT and plot it
     (``python -m amanda.tools.profiler docs/figures/trace.png``)."""
-    from amanda.runtime.pytorch.examples import random_bert
-    model, ids = random_bert(hidden_size=128, layers=2, heads=2, intermediate_size=512,
+    model, ids = provider("random_bert").random_bert(hidden_size=128, layers=2, heads=2, intermediate_size=512,
                              vocab_size=1000, batch=2, tokens=32)
     profiler = OpProfiler()
     for _ in range(3):   # warm up: analysis runs at the first step

@@ -8,7 +8,8 @@ themselves. The PyTorch parts of the PyTorch-only pruning projects
 (:mod:`amanda.tools.pruning_projects`) are served from here too:
 ``activation_mask`` (:mod:`amanda.runtime.pytorch.pruning_activation`),
 ``new_predictor``, ``wta_gate`` and ``fbs_saliency``
-(:mod:`amanda.runtime.pytorch.pruning_feature_boosting`). Importing this
+(:mod:`amanda.runtime.pytorch.pruning_feature_boosting`), and the docs
+figure's model, ``random_bert`` (:mod:`amanda.runtime.pytorch.examples`). Importing this
 module does not import torch.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import io
 import sys
 
+from amanda.runtime.pytorch.examples import random_bert
 from amanda.runtime.pytorch.pruning_activation import activation_mask
 from amanda.runtime.pytorch.pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
 
@@ -26,7 +28,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATO
            "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
            "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
            "module_path_from_op", "new_predictor", "no_grad", "operand_grad", "parameter_operand",
-           "rewrite_rules", "stable_op_id", "static_shape", "tensor_stats",
+           "random_bert", "rewrite_rules", "stable_op_id", "static_shape", "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs
