@@ -176,3 +176,70 @@ def test_modules_are_imported_by_name_in_one_place():
             found += [f"{module}:{node.lineno}" for name in names
                       if name.split(".")[0] in ("importlib", "__import__")]
     assert not found, f"imports by name outside the registry: {found}"
+
+
+#: top-level modules of the frameworks amanda instruments
+FRAMEWORKS = ("torch", "tensorflow", "keras", "onnx", "onnxruntime", "onnxruntime_extensions",
+              "tf2onnx", "torchvision", "transformers")
+
+
+def _names_a_backend(value):
+    return isinstance(value, str) and value.split("/")[0] in BACKENDS
+
+
+def _tool_modules():
+    return {module: path for module, path in MODULES.items()
+            if module == "amanda.tools" or module.startswith("amanda.tools.")}
+
+
+def backend_knowledge(path):
+    """``(line, what)`` for every import of a framework or of a backend's
+    package in ``path``, and every
+    string naming a backend (``"onnx"``, ``"pytorch/2.13.0/eager"``) outside
+    docstrings and default argument values: a comparison, a ``startswith``,
+    a table keyed by backend, ``support_for("pytorch")``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                allowed.add(id(body[0].value))          # a docstring
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            defaults = node.args.defaults + [d for d in node.args.kw_defaults if d is not None]
+            allowed.update(id(d) for d in defaults)     # public API: ``backend="pytorch"``
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[0] in FRAMEWORKS]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            if parts[0] in FRAMEWORKS or (parts[0] == "amanda" and len(parts) > 2
+                                          and parts[1] in ("runtime", "frontends")
+                                          and parts[2] in BACKENDS):
+                found.append((node.lineno, f"from {node.module} import"))
+        elif isinstance(node, ast.Constant) and id(node) not in allowed \
+                and _names_a_backend(node.value):
+            found.append((node.lineno, repr(node.value)))
+    return found
+
+
+def test_tools_import_no_framework_and_name_no_backend():
+    """One op vocabulary (issue 27): ``amanda/tools/`` is written against
+    canonical op types and asks the registry (``runtime.vocabulary``,
+    ``runtime.tool_support`` with a context's namespace) for whatever only a
+    backend knows; it imports no framework and branches on no backend name."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+             for module, path in sorted(_tool_modules().items())
+             for line, what in backend_knowledge(path)]
+    assert not found, "backend knowledge in amanda/tools:\n" + "\n".join(found)
+
+
+def test_the_backend_knowledge_scan_sees_it(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Tools for "onnx"."""\nimport torch.nn\nfrom onnx import helper\n'
+                      'def f(ns, backend="pytorch"):\n    """"tensorflow" only."""\n'
+                      '    if ns.startswith("tensorflow"):\n        return support_for("onnx")\n'
+                      '    return {"pytorch/2/eager": 1}\n')
+    assert sorted(line for line, _ in backend_knowledge(sample)) == [2, 3, 6, 7, 8]
