@@ -84,12 +84,41 @@ def test_every_backend_support_module_has_the_common_interface():
     from amanda.runtime import backends, tool_support
     common = ("module_path_from_op", "MODULE_PATH_SEPARATOR", "is_whole_graph", "stable_op_id",
               "backward_flop_factor", "trainable_parameters", "is_weight_input",
-              "ROUTINES_ORDERED_BY_DATAFLOW")
+              "ROUTINES_ORDERED_BY_DATAFLOW", "weight_value", "static_shape",
+              "OTHER_BACKWARD_FLOPS", "ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME",
+              "parameter_operand", "operand_grad", "rewrite_rules")
     for backend in [b.name for b in backends.all_backends()]:
         module = tool_support.support_for(backend)
         assert [name for name in common if not hasattr(module, name)] == [], backend
     assert tool_support.support_for("amanda/portable") is None
     assert tool_support.support_for(None) is None
+
+
+def test_every_backend_vocabulary_has_the_common_interface_without_a_framework():
+    """The op facts of each backend (runtime/<backend>/vocabulary.py) answer
+    the same questions, agree with their own rows, and load no framework."""
+    import subprocess
+    import sys
+
+    from amanda.runtime import vocabulary
+    common = ("SPECS", "TYPES", "op_type", "weight_layout", "weight_grad", "formula_type",
+              "kernel_elements", "contracted", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
+              "PARAM_READERS", "check_params")
+    names = vocabulary.backends_with_vocabulary()
+    assert set(names) >= {"pytorch", "tensorflow", "onnx"}
+    for name in names:
+        words = vocabulary.of(name)
+        assert [n for n in common if not hasattr(words, n)] == [], name
+        index = vocabulary.backend_ops(name)
+        disagree = {op: canonical for op, canonical in words.TYPES.items()
+                    if op in index and index[op].canonical != canonical}
+        assert disagree == {}, (name, disagree)
+    code = ("import sys\nfrom amanda.runtime import vocabulary as v\n"
+            "[v.of(b) for b in v.backends_with_vocabulary()]\nv.table()\n"
+            "import amanda.tools.mapping_rules, amanda.tools.flops\n"
+            "print(sorted({'torch', 'tensorflow', 'onnx', 'onnxruntime'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("namespace, op_name, recorded, expected", [
