@@ -86,7 +86,8 @@ def test_every_backend_support_module_has_the_common_interface():
               "backward_flop_factor", "trainable_parameters", "is_weight_input",
               "ROUTINES_ORDERED_BY_DATAFLOW", "weight_value", "static_shape",
               "OTHER_BACKWARD_FLOPS", "ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME",
-              "parameter_operand", "operand_grad", "rewrite_rules")
+              "parameter_operand", "operand_grad", "rewrite_rules",
+              "accumulates_gradient")
     for backend in [b.name for b in backends.all_backends()]:
         module = tool_support.support_for(backend)
         assert [name for name in common if not hasattr(module, name)] == [], backend
@@ -103,7 +104,8 @@ def test_every_backend_vocabulary_has_the_common_interface_without_a_framework()
     from amanda.runtime import vocabulary
     common = ("SPECS", "TYPES", "op_type", "weight_layout", "weight_grad", "formula_type",
               "kernel_elements", "contracted", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
-              "PARAM_READERS", "check_params")
+              "PARAM_READERS", "check_params", "INITIALISER_TYPES", "INITIALISER_SCOPES",
+              "FOLDED_TYPES", "variable_of")
     names = vocabulary.backends_with_vocabulary()
     assert set(names) >= {"pytorch", "tensorflow", "onnx"}
     for name in names:

@@ -38,6 +38,9 @@ Every support module exposes:
   the weight the op reads at input ``position`` where the backend reads it
   itself (a PyTorch parameter, an ONNX initializer), else None (the caller
   evaluates it);
+* ``accumulates_gradient(backward_op)`` -> bool: whether a backward op only
+  stores a leaf's gradient (PyTorch's ``AccumulateGrad``): no arithmetic of
+  the op that used the leaf (FLOPs, the op profiler's own row);
 * ``parameter_operand(context, position)`` -> ``(NumPy copy, as_tensor)``
   of a matrix product's operand that is a 2-D parameter, else None, and
   ``operand_grad(backward_op)`` -> the position of its gradient (pruning);

@@ -32,6 +32,10 @@ A vocabulary module exposes:
 * ``WEIGHT_CHANNELS``: whether the pruning and quantization tools slice
   the backend's weights by channel (the axes: the ``O``/``I`` letters of the
   weight layouts).
+* ``INITIALISER_TYPES``, ``INITIALISER_SCOPES``, ``FOLDED_TYPES`` and
+  ``variable_of(op)``: what a graph drawing hides (initialisers and what
+  only they read) and draws as parameters of their readers (constants,
+  variables; the variable a read reads) (:mod:`amanda.tools.graph_view`).
 * ``VARIADIC_ELEMENTWISE``: whether an element-wise op may take more than
   two inputs (ONNX ``Sum``/``Max``/``Min``/``Mean``).
 * ``PARAM_READERS``: ``{canonical type: reader(op, values) -> params}``,

@@ -247,12 +247,11 @@ class FlopsProfiler(amanda.Tool):
         ops are counted by no formula yet) listed in :attr:`unknown_backward`,
         never zero."""
         backward_op = context.get_backward_op()
-        name = getattr(backward_op, "name", None) or type(backward_op).__name__
-        if "AccumulateGrad" in str(name):
+        support = support_for(context.namespace)
+        if support is not None and support.accumulates_gradient(backward_op):
             return    # stores a parameter's gradient: no arithmetic on the first step
         module, shape = context.get("flops_module"), context.get("flops_shape")
         inputs = context.get("flops_input_shape")
-        support = support_for(context.namespace)
         costs = None
         if self.other_backward and _flag(support, "OTHER_BACKWARD_FLOPS") and shape is not None:
             costs = backward_costs(op_type, _numel(shape),

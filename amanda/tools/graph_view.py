@@ -34,16 +34,19 @@ import re
 import shutil
 import subprocess
 
+from amanda.runtime import vocabulary
+
 __all__ = ["View", "build_view", "name_parameters", "to_dot", "to_html", "to_svg"]
 
 FORWARD_FILL, BACKWARD_FILL, COLLAPSED_FILL = "#dbe9f7", "#fde3cc", "#e8e8e8"
 # a forward op owning more backward ops than this gets one summary node
 BACKWARD_GROUP = 6
 
-_INIT_TYPES = {"Assign", "AssignVariableOp", "VarIsInitializedOp", "IsVariableInitialized",
-               "NoOp"}
-_FOLDED_TYPES = {"Const", "VarHandleOp", "VariableV2", "Variable"}
-_INIT_SCOPES = {"Initializer", "IsInitialized", "Assign", "save", "init"}
+
+def _words(op):
+    """The vocabulary of an op's backend: which ops are initialisers, constants
+    and variables (TF's), or None."""
+    return vocabulary.of(op.namespace)
 
 
 class Node:
@@ -128,12 +131,12 @@ def _parameter_name(tensor, reader_module):
         name = tensor.attrs.get("param")
         if name is None:
             return tensor.attrs.get("kind")
-    elif producer.type == "ReadVariableOp" and producer.inputs and (
-            producer.inputs[0].producer is not None
-            and producer.inputs[0].producer.type in ("VarHandleOp",)):
-        name = producer.inputs[0].producer.name
     else:
-        return None
+        words = _words(producer)
+        handle = None if words is None else words.variable_of(producer)
+        if handle is None:
+            return None
+        name = handle.name
     if reader_module and name.startswith(reader_module):
         name = name[len(reader_module):].lstrip("./")
     return name
@@ -142,9 +145,11 @@ def _parameter_name(tensor, reader_module):
 # -- what to hide ----------------------------------------------------------------------
 
 def _is_initialiser(op):
-    if op.type in _INIT_TYPES:
-        return True
-    return bool(set(op.name.split("/")) & _INIT_SCOPES)
+    words = _words(op)
+    if words is None:
+        return False
+    return op.type in words.INITIALISER_TYPES or bool(
+        set(op.name.split("/")) & words.INITIALISER_SCOPES)
 
 
 def hidden_ops(graph, show_init=False):
@@ -165,9 +170,9 @@ def hidden_ops(graph, show_init=False):
                     hidden.add(op)
                     changed = True
     for op in graph.ops:
-        if op.type in _FOLDED_TYPES or (op.type == "ReadVariableOp" and op.inputs and
-                                        op.inputs[0].producer is not None and
-                                        op.inputs[0].producer.type == "VarHandleOp"):
+        words = _words(op)
+        if words is not None and (op.type in words.FOLDED_TYPES
+                                  or words.variable_of(op) is not None):
             hidden.add(op)
     return hidden
 

@@ -186,7 +186,8 @@ class OpProfiler(TraceExport, KernelRecording, amanda.Tool):
     def _backward_analysis(self, context):
         backward_op = context.get_backward_op()
         name = _backward_name(backward_op)
-        if name == "AccumulateGrad":
+        support = support_for(context.namespace)
+        if support is not None and support.accumulates_gradient(backward_op):
             # adds a gradient into a leaf's .grad: not a computation of the
             # forward op that used the leaf, so it gets a row of its own
             op_type = ACCUMULATE_GRAD

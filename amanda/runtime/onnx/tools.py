@@ -10,11 +10,12 @@ from __future__ import annotations
 
 __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "HOSTED_DTYPES",
            "MODULE_PATH_SEPARATOR", "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW",
-           "attrs_for_new_op", "backward_flop_factor", "backward_flop_operands", "current_run",
-           "hosted", "initializer", "int_attribute", "is_weight_input", "is_whole_graph",
-           "load_model", "module_path_from_op", "node_attribute", "onnx_module_path",
-           "operand_grad", "parameter_operand", "rewrite_rules", "stable_op_id", "static_shape",
-           "tensor_values", "trainable_parameters", "weight_value"]
+           "accumulates_gradient", "attrs_for_new_op", "backward_flop_factor",
+           "backward_flop_operands", "current_run", "hosted", "initializer", "int_attribute",
+           "is_weight_input", "is_whole_graph", "load_model", "module_path_from_op",
+           "node_attribute", "onnx_module_path", "operand_grad", "parameter_operand",
+           "rewrite_rules", "stable_op_id", "static_shape", "tensor_values",
+           "trainable_parameters", "weight_value"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python
 #: routine, with their ONNX element types: the keys of
@@ -239,3 +240,8 @@ def rewrite_rules():
     ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
     from amanda.runtime.onnx import rewrite_rules as variants
     return variants
+
+
+def accumulates_gradient(backward_op):
+    """False: no backward op of this backend only stores a gradient."""
+    return False

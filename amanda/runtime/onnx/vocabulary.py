@@ -15,9 +15,9 @@ import numpy as np
 from amanda.runtime.onnx.tools import initializer, int_attribute
 from amanda.runtime.vocabulary import Unsupported, axes, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
-           "check_params",
-           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+__all__ = ["FOLDED_TYPES", "INITIALISER_SCOPES", "INITIALISER_TYPES", "PARAM_READERS", "SPECS",
+           "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS", "check_params", "contracted",
+           "formula_type", "kernel_elements", "op_type", "variable_of", "weight_grad",
            "weight_layout"]
 
 _CONV = ({"input": 0, "weight": 1, "bias": 2}, {"input": "NCHW", "weight": "OIHW"},
@@ -219,3 +219,12 @@ PARAM_READERS = {
 
 def check_params(op):
     """Every node is read as it is (readers refuse what they do not cover)."""
+
+# -- graph drawing (amanda.tools.graph_view): nothing hidden or folded ------------------
+
+INITIALISER_TYPES = INITIALISER_SCOPES = FOLDED_TYPES = frozenset()
+
+
+def variable_of(op):
+    """None: weights are graph inputs here, not ops reading variables."""
+    return None

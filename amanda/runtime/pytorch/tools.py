@@ -23,10 +23,10 @@ from amanda.runtime.pytorch.pruning_activation import activation_mask
 from amanda.runtime.pytorch.pruning_feature_boosting import fbs_saliency, new_predictor, wta_gate
 
 __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATOR",
-           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "activation_mask",
-           "as_tensor_like", "backward_flop_factor", "backward_flop_operands", "call_argument",
-           "call_arguments", "call_attrs", "export_onnx", "fbs_saliency", "has_nonfinite",
-           "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
+           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "accumulates_gradient",
+           "activation_mask", "as_tensor_like", "backward_flop_factor", "backward_flop_operands",
+           "call_argument", "call_arguments", "call_attrs", "export_onnx", "fbs_saliency",
+           "has_nonfinite", "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
            "module_path_from_op", "new_predictor", "no_grad", "operand_grad", "parameter_operand",
            "random_bert", "rewrite_rules", "stable_op_id", "static_shape", "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
@@ -339,3 +339,11 @@ def rewrite_rules():
     ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
     from amanda.runtime.pytorch import rewrite_rules as variants
     return variants
+
+
+def accumulates_gradient(backward_op):
+    """Whether a backward op stores a leaf's gradient into its ``.grad``
+    (autograd's ``AccumulateGrad``) rather than computing a gradient."""
+    name = getattr(backward_op, "__name__", None) or type(backward_op).__name__
+    return name == "AccumulateGrad" or "AccumulateGrad" in str(
+        getattr(backward_op, "name", None) or name)

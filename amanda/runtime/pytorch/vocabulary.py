@@ -11,9 +11,9 @@ import numpy as np
 from amanda.runtime.pytorch.tools import call_arguments
 from amanda.runtime.vocabulary import axes, pair, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
-           "check_params",
-           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+__all__ = ["FOLDED_TYPES", "INITIALISER_SCOPES", "INITIALISER_TYPES", "PARAM_READERS", "SPECS",
+           "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS", "check_params", "contracted",
+           "formula_type", "kernel_elements", "op_type", "variable_of", "weight_grad",
            "weight_layout"]
 
 _CONV = {"stride": "stride", "padding": "padding", "dilation": "dilation", "groups": "groups"}
@@ -190,3 +190,12 @@ PARAM_READERS = {
 
 def check_params(op):
     """Every traced call is read as it is."""
+
+# -- graph drawing (amanda.tools.graph_view): nothing hidden or folded ------------------
+
+INITIALISER_TYPES = INITIALISER_SCOPES = FOLDED_TYPES = frozenset()
+
+
+def variable_of(op):
+    """None: weights are graph inputs here, not ops reading variables."""
+    return None

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 
 __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATOR",
-           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "backward_flop_factor",
-           "backward_flop_operands", "frozen_graph_def", "is_weight_input", "is_whole_graph",
-           "module_path_from_op", "name_scope", "operand_grad", "parameter_operand",
-           "rewrite_rules", "stable_op_id", "static_shape", "tf2onnx_converter",
-           "trainable_parameters", "weight_value"]
+           "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "accumulates_gradient",
+           "backward_flop_factor", "backward_flop_operands", "frozen_graph_def",
+           "is_weight_input", "is_whole_graph", "module_path_from_op", "name_scope",
+           "operand_grad", "parameter_operand", "rewrite_rules", "stable_op_id", "static_shape",
+           "tf2onnx_converter", "trainable_parameters", "weight_value"]
 
 
 def name_scope(op_name):
@@ -167,3 +167,8 @@ def rewrite_rules():
     ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
     from amanda.runtime.tensorflow import rewrite_rules as variants
     return variants
+
+
+def accumulates_gradient(backward_op):
+    """False: no backward op of this backend only stores a gradient."""
+    return False

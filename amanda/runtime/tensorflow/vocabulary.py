@@ -16,9 +16,9 @@ import numpy as np
 
 from amanda.runtime.vocabulary import Unsupported, axes, snake_case
 
-__all__ = ["PARAM_READERS", "SPECS", "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS",
-           "check_params",
-           "contracted", "formula_type", "kernel_elements", "op_type", "weight_grad",
+__all__ = ["FOLDED_TYPES", "INITIALISER_SCOPES", "INITIALISER_TYPES", "PARAM_READERS", "SPECS",
+           "TYPES", "VARIADIC_ELEMENTWISE", "WEIGHT_CHANNELS", "check_params", "contracted",
+           "formula_type", "kernel_elements", "op_type", "variable_of", "weight_grad",
            "weight_layout"]
 
 _POOL = {"kernel": "ksize", "stride": "strides", "padding": "padding",
@@ -271,3 +271,21 @@ def check_params(op):
     if data_format not in (None, "NHWC"):
         raise Unsupported(f"data_format={data_format!r} is not supported "
                           f"(TensorFlow graphs: NHWC only)")
+
+# -- graph drawing (amanda.tools.graph_view) -------------------------------------------
+
+#: ops that initialise or save variables: hidden, with every op only they read
+INITIALISER_TYPES = frozenset({"Assign", "AssignVariableOp", "VarIsInitializedOp",
+                               "IsVariableInitialized", "NoOp"})
+#: name scopes of initialisers and savers (``dense/kernel/Initializer/...``)
+INITIALISER_SCOPES = frozenset({"Initializer", "IsInitialized", "Assign", "save", "init"})
+#: ops drawn as parameters of the ops reading them: constants, variables
+FOLDED_TYPES = frozenset({"Const", "VarHandleOp", "VariableV2", "Variable"})
+
+
+def variable_of(op):
+    """The variable handle op a ``ReadVariableOp`` IR op reads, or None."""
+    if op.type == "ReadVariableOp" and op.inputs and op.inputs[0].producer is not None \
+            and op.inputs[0].producer.type == "VarHandleOp":
+        return op.inputs[0].producer
+    return None
