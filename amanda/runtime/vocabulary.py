@@ -56,7 +56,8 @@ import numpy as np
 from amanda.runtime import backends
 
 __all__ = ["OpSpec", "Unsupported", "axes", "backend_of", "backend_ops",
-           "backends_with_vocabulary", "canonical_type", "canonical_types", "lookup", "of", "pair", "row", "snake_case", "specs", "table"]
+           "backends_with_vocabulary", "canonical_type", "canonical_types", "lookup", "of",
+           "pair", "row", "snake_case", "specs", "table"]
 
 
 @dataclass(frozen=True)

@@ -446,8 +446,9 @@ def profile_steps(profiler, run, steps=3, kernels=False, progress=None):
 def _render_docs_figure(path):
     """Profile one training step of a small random BERT and plot it
     (``python -m amanda.tools.profiler docs/figures/trace.png``)."""
-    model, ids = provider("random_bert").random_bert(hidden_size=128, layers=2, heads=2, intermediate_size=512,
-                             vocab_size=1000, batch=2, tokens=32)
+    model, ids = provider("random_bert").random_bert(
+        hidden_size=128, layers=2, heads=2, intermediate_size=512, vocab_size=1000, batch=2,
+        tokens=32)
     profiler = OpProfiler()
     for _ in range(3):   # warm up: analysis runs at the first step
         profiler.reset()
