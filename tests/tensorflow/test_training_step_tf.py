@@ -260,13 +260,15 @@ def test_small_step_session():
 
 # The Keras applications of tests/tensorflow/test_identity_sweep_tf.py:
 # weights=None, 32x32 (the smallest side each accepts; Xception 71), batch 2.
-# `make test` runs a fixed sample: ConvNeXtTiny (issue 31's model, with
-# XLA-compiled depthwise convolutions) and MobileNetV2 (batch normalisation,
-# where the arithmetic optimizer's rewrites show) in a tf.function; `make
-# sweep` (AMANDA_KERAS_SWEEP=1) runs all of them and the Session step, which
-# with both checks would take CI past its time. InceptionV3 (458 s alone)
+# `make test` runs a fixed sample: MobileNetV2 in a tf.function (batch
+# normalisation, where the arithmetic optimizer's rewrites show; the small
+# model above stands for ConvNeXtTiny's blocks); `make sweep`
+# (AMANDA_KERAS_SWEEP=1) runs all of them and ConvNeXtTiny's Session step:
+# with both checks, ConvNeXtTiny alone takes minutes (1,628 s on 2026-11-29
+# with the two cores shared five ways; MobileNetV2 1,060 s; both passed),
+# which would take CI past its time. InceptionV3 (458 s alone, old checks)
 # passed on 2026-11-29; run it with -k InceptionV3 after adding it here.
-SAMPLE = {"ConvNeXtTiny", "MobileNetV2"}
+SAMPLE = {"MobileNetV2"}
 _FULL = os.environ.get("AMANDA_KERAS_SWEEP") == "1"
 _SWEEP_ONLY = pytest.mark.skipif(not _FULL, reason="the whole sweep: make sweep")
 APPLICATIONS = [pytest.param(name, side, id=name, marks=() if name in SAMPLE else _SWEEP_ONLY)
