@@ -23,7 +23,7 @@ import sys
 from benchmarks import harness
 
 SUITES = ("eager", "tf_graph", "flops", "onnx_graph", "points", "memory", "compiled",
-          "counting")  # module names under benchmarks/
+          "counting", "session_creation")  # module names under benchmarks/
 
 
 def parse_args(argv=None):

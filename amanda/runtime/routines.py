@@ -9,6 +9,7 @@ length as the selection (``None`` entries keep the original).
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 
 from amanda.errors import AmandaError, ToolError
@@ -141,12 +142,20 @@ def returns_only_none(func):
     Read from the bytecode, conservatively: a routine whose every ``return``
     returns the constant None observes only, whatever it is called with, so
     its results need not flow back into the graph. Anything else (another
-    return value, a generator, a callable without code) may replace.
+    return value, a generator, a callable without code) may replace. The
+    answer depends on the code object alone, which is immutable: it is
+    remembered per code object (an ONNX model asks once per node and point,
+    mostly about one routine).
     """
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
-    if code is None or code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE
-                                        | inspect.CO_ASYNC_GENERATOR):
+    return code is not None and _code_returns_only_none(code)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_returns_only_none(code):
+    if code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE
+                        | inspect.CO_ASYNC_GENERATOR):
         return False
     previous = None
     for instruction in dis.get_instructions(code):

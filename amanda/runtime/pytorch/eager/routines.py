@@ -154,15 +154,42 @@ def _in_layout_of(old, new):
     of a gather over a gradient with gaps between its elements), so a
     routine's result of other strides (``clone()`` of a tensor with gaps
     between its elements is compact) is copied into a tensor of the
-    original's strides. A tensor whose elements overlap in memory (an
-    ``expand``) cannot hold other values in its layout, and a tensor of
-    another layout than ``torch.strided`` has no strides: the replacement
-    is kept as the routine made it."""
-    if new.device != old.device or _overlapping(old):
+    original's strides. A broadcast tensor (an ``expand``: stride 0 along
+    some dimensions, the gradient ``sum()`` sends back) takes its layout
+    again where the replacement holds the same values all along those
+    dimensions: batch norm's backward sums such a gradient to other bits than
+    its compact copy (not inside a functorch transform, whose batched values
+    cannot be compared). Any other tensor whose elements overlap in memory
+    cannot hold other values in its layout, and a tensor of another layout
+    than ``torch.strided`` has no strides: the replacement is kept as the
+    routine made it."""
+    if new.device != old.device:
         return new
+    if _overlapping(old):
+        return _broadcast_like(old, new)
     laid_out = torch.empty_strided(old.size(), old.stride(), dtype=new.dtype, device=new.device)
     laid_out.copy_(new)
     return laid_out
+
+
+def _broadcast_like(old, new):
+    """``new`` in the layout of the broadcast tensor ``old`` when its values
+    repeat along ``old``'s stride-0 dimensions; else ``new`` itself."""
+    if _interpreter_stack():
+        return new      # inside a functorch transform: values unreadable (vmap's batches)
+    size, stride = old.size(), old.stride()
+    spread = [d for d in range(old.dim()) if stride[d] == 0 and size[d] > 1]
+    base_size = [1 if d in spread else n for d, n in enumerate(size)]
+    if not spread or new.size() != size or _overlapping(old.as_strided(base_size, stride)):
+        return new
+    corner = new
+    for d in spread:
+        corner = corner.narrow(d, 0, 1)
+    if not torch.equal(corner.expand(size), new):
+        return new      # other values along a broadcast dimension (or NaN): kept compact
+    base = torch.empty_strided(base_size, stride, dtype=new.dtype, device=new.device)
+    base.copy_(corner)
+    return base.expand(size)
 
 
 def _overlapping(tensor):
