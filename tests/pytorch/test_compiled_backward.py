@@ -250,6 +250,32 @@ def test_points_are_in_the_backward_graph_of_an_aot_autograd_backend():
     assert compiled.executions == eager.executions
 
 
+class CountBackwardAfterIdentity(CountBackward):
+    """`CountBackward` beside forward routines that replace every op's
+    inputs and outputs by copies (straight-through for autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(lambda context: context.insert_before_op(_copies))
+        self.add_inst_for_op(lambda context: context.insert_after_op(_copies), require_outputs=True)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_forward_replacements_leave_eagers_backward_points(program):
+    """Forward routines that replace a parameter input change no backward
+    op: eager's accumulator keeps the name of the input it accumulates
+    into (``input1``), and the compiled path sees through
+    ``amanda::replace`` to the same input."""
+    eager, compiled = CountBackwardAfterIdentity(), CountBackwardAfterIdentity()
+    eager_model, _ = _train(program, None, eager)
+    compiled_model, _ = _train(program, "aot_eager", compiled)
+    plain = CountBackward()
+    _train(program, None, plain)
+    assert set(eager.names.values()) == set(plain.names.values())
+    assert compiled.executions == eager.executions
+    assert _same_parameters(compiled_model, eager_model)
+
+
 def test_other_compilers_still_fall_back_loudly():
     """Backend ``eager`` runs no AOTAutograd: a tool with backward routines
     runs the callable eagerly, with a warning that says why."""
