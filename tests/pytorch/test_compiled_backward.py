@@ -18,8 +18,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import numpy as np  # noqa: E402
+
 import amanda  # noqa: E402
 from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
+from amanda.tools.coverage import CoverageTool  # noqa: E402
+from amanda.tools.debugging import NanDetector  # noqa: E402
+from amanda.tools.flops import FlopsProfiler  # noqa: E402
+from amanda.tools.pruning import Pruner  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
 
@@ -256,8 +262,15 @@ class CountBackwardAfterIdentity(CountBackward):
 
     def __init__(self):
         super().__init__()
-        self.add_inst_for_op(lambda context: context.insert_before_op(_copies))
+        self.add_inst_for_op(self.forward)
         self.add_inst_for_op(lambda context: context.insert_after_op(_copies), require_outputs=True)
+
+    def forward(self, context):
+        context.insert_before_op(_copies)
+        context.insert_before_op(self.count, key=(context.get_op_id(), None, "forward"))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -265,7 +278,9 @@ def test_forward_replacements_leave_eagers_backward_points(program):
     """Forward routines that replace a parameter input change no backward
     op: eager's accumulator keeps the name of the input it accumulates
     into (``input1``), and the compiled path sees through
-    ``amanda::replace`` to the same input."""
+    ``amanda::replace`` to the same input. The forward points are eager's
+    too: the compiled backward graph's own calls (``aten.mm``...), made
+    while ``loss.backward()`` runs under amanda's eager mode, are no ops."""
     eager, compiled = CountBackwardAfterIdentity(), CountBackwardAfterIdentity()
     eager_model, _ = _train(program, None, eager)
     compiled_model, _ = _train(program, "aot_eager", compiled)
@@ -274,6 +289,69 @@ def test_forward_replacements_leave_eagers_backward_points(program):
     assert set(eager.names.values()) == set(plain.names.values())
     assert compiled.executions == eager.executions
     assert _same_parameters(compiled_model, eager_model)
+
+
+def _tool_summary(name, tool):
+    """What each of amanda's tools computed, to compare with eager's."""
+    if name == "pruner":
+        return {layer.op_id: np.asarray(layer.mask).tobytes() for layer in tool.layers.values()}
+    if name == "flops":
+        # keyed by (namespace, op id[, backward op id]): the namespaces differ
+        return {key[1:]: (r["type"], r["flops"], r["calls"]) for key, r in tool.records.items()}
+    if name == "nan":
+        return tool.executions, tool.report
+    return dict(tool.forward), dict(tool.backward)
+
+
+TOOLS = {"pruner": lambda: Pruner("unstructured", sparsity=0.5, mask_grads=True),
+         "flops": lambda: FlopsProfiler(backward=True),
+         "nan": NanDetector,
+         "coverage": CoverageTool}
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_amandas_backward_tools_compute_eagers_answer(name, program):
+    """amanda's tools with backward routines in a compiled training step
+    (``aot_eager``): the pruner's masks and its masked gradients, the FLOPs
+    table with backward ops, the NaN finder's checks, the coverage counts
+    and the parameters after the steps are eager's, bit for bit."""
+    eager, compiled = TOOLS[name](), TOOLS[name]()
+    eager_model, eager_grads = _train(program, None, eager)
+    model, grads = _train(program, "aot_eager", compiled)
+    assert _tool_summary(name, compiled) == _tool_summary(name, eager)
+    assert all(_same(a, b) for a, b in zip(grads, eager_grads))
+    assert _same_parameters(model, eager_model)
+
+
+class CountForward(amanda.Tool):
+    """Forward routines only: a count before every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        context.insert_before_op(self.count, key=(context.get_op_id(), context.get_op_name()))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_compiled_backward_graphs_are_no_forward_ops(program, backend):
+    """Tools without backward routines: ``loss.backward()`` inside ``apply``
+    runs under amanda's eager mode, and the compiled backward graph's own
+    calls (``aten.t``, ``aten.mm``, inductor's ``mm`` and
+    ``convolution_backward``) were forward points with made-up ids (a
+    counting tool saw 3 (inductor) to 22 (aot_eager) of them per step); the backward graph now runs
+    outside that mode."""
+    eager, compiled = CountForward(), CountForward()
+    _train(program, None, eager)
+    _train(program, backend, compiled)
+    assert compiled.executions == eager.executions
 
 
 def test_other_compilers_still_fall_back_loudly():

@@ -585,8 +585,9 @@ class InstrumentingBackend:
                 return gm.forward
         constants = gm.__dict__.get("amanda_constants", [])
         compiler = self.compiler
-        if self.session.has_backward:
-            # backward points: AOTAutograd run by amanda, the user's compiler inside
+        if supports_backward(compiler):
+            # AOTAutograd run by amanda, the user's compiler inside: the backward
+            # graph gets the tools' backward points and runs outside eager's mode
             compiler = backward_compiler(compiler, self.session, lifted, plan)
         compiled = with_constants(compiler(gm, list(example_inputs) + constants, **kwargs),
                                   constants)

@@ -107,7 +107,9 @@ def supports_backward(compiler):
 
 def backward_compiler(compiler, session, lifted, plan):
     """A Dynamo compiler that compiles with ``compiler`` a graph whose
-    backward graph has the backward points of ``session``'s tools.
+    backward graph has the backward points of ``session``'s tools (none
+    for tools without backward routines), and runs outside amanda's eager
+    mode (`_OutsideEagerMode`).
 
     Args:
         compiler: the user's compiler (`supports_backward`).
@@ -164,8 +166,12 @@ def _inductor(compiler, joint):
             _insert_points(gm, joint)
         elif not kwargs.get("is_inference"):
             _read_forward(gm, joint)
-        with _no_caches():      # the backward graph is compiled at the first backward
-            return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
+        # the backward graph is compiled at the first backward, under eager's
+        # mode: inductor's own torch calls (torch.empty in its dtype
+        # propagation) were taken for forward ops
+        with _no_caches(), _eager_mode_out():
+            compiled = inductor.compile_fx_inner(gm, example_inputs, **kwargs)
+        return _OutsideEagerMode(compiled) if kwargs.get("is_backward") else compiled
 
     def compile_graph(gm, example_inputs):
         return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
@@ -185,9 +191,13 @@ class _Joint:
         self.plan = plan
         self.dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.ops = {}          # seq_nr -> _ForwardOp
-        self.primals = []      # forward placeholder names, in order
-        self.getitems = {}     # forward getitem name -> (source name, index)
-        self.replaced = {}     # forward amanda::replace node name -> names of what it replaces
+        # the forward graph, by node name (`_destination`)
+        self.primal_positions = {}   # placeholder -> position
+        self.getitems = {}     # getitem -> (source, index)
+        self.replaced = {}     # amanda::replace call -> what it replaces
+        self.made_by = {}      # value a lifted op's aten op made -> its seq_nr
+        self.kinds = {}        # call -> target's name
+        self.inputs = {}       # call -> its tensor inputs
         self.read = False
 
     def forward(self, inner):
@@ -199,8 +209,55 @@ class _Joint:
     def backward(self, inner):
         def bw_compiler(gm, example_inputs, *args, **kwargs):
             _insert_points(gm, self)
-            return inner(_eager_graph_module(gm), example_inputs, *args, **kwargs)
+            with _eager_mode_out():     # compiled at the first backward
+                compiled = inner(_eager_graph_module(gm), example_inputs, *args, **kwargs)
+            return _OutsideEagerMode(compiled)
         return bw_compiler
+
+
+class _OutsideEagerMode:
+    """A compiled backward graph, run with amanda's eager ``TorchFunctionMode``
+    out of the way. ``loss.backward()`` inside ``apply`` runs under that mode
+    (the engine entry pushes it, for the Python code autograd runs), and the
+    mode took the backward graph's own calls (``aten.mm``, ``aten.t``,
+    ``amanda::backward_point``...) for forward ops of the model: points
+    with made-up ids (a NaN finder checked 98 ops where eager checks 32).
+    Everything else of the compiled callable (its attributes, the boxed
+    calling convention) is the compiler's."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        if getattr(compiled, "_boxed_call", False):
+            # in the instance's dict: Dynamo's disable() wraps the compiled
+            # backward with functools.wraps, which copies the dict only
+            self._boxed_call = True
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+    def __call__(self, *args, **kwargs):
+        with _eager_mode_out():
+            return self.compiled(*args, **kwargs)
+
+
+class _eager_mode_out:
+    """amanda's eager ``TorchFunctionMode`` off the top of the thread's mode
+    stack for the block (where it is there: during ``backward()``)."""
+
+    __slots__ = ("mode",)
+
+    def __enter__(self):
+        from amanda.runtime.pytorch.eager.mode import _Mode
+        stack = torch.overrides._get_current_function_mode_stack()
+        self.mode = None
+        if stack and isinstance(stack[-1], _Mode):
+            self.mode = torch._C._pop_torch_function_stack()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            torch._C._push_on_torch_function_stack(self.mode)
+        return False
 
 
 def _eager_graph_module(gm):
@@ -239,14 +296,21 @@ _PLUMBING = frozenset(["detach", "getitem", "alias"])
 
 
 def _read_forward(gm, joint):
+    if not joint.session.has_backward:
+        return        # no points: the backward graph only runs outside eager's mode
     joint.read = True
     nodes = list(gm.graph.nodes)
-    joint.primals = [n.name for n in nodes if n.op == "placeholder"]
+    joint.primal_positions = {n.name: i for i, n in enumerate(n for n in nodes
+                                                             if n.op == "placeholder")}
     by_seq = {}
     for node in nodes:
+        if node.op == "call_function":
+            joint.kinds[node.name] = getattr(node.target, "__name__", "").split(".")[0]
+            joint.inputs[node.name] = [a.name for a in node.all_input_nodes
+                                       if isinstance(a.meta.get("val"), torch.Tensor)]
         if node.op == "call_function" and node.target is operator.getitem:
             joint.getitems[node.name] = (node.args[0].name, node.args[1])
-        elif node.op == "call_function" and node.target is _replace_op():
+        elif node.op == "call_function" and str(node.target) == str(_replace_op()):
             joint.replaced[node.name] = [t.name for t in node.args[1]]
         seq = node.meta.get("seq_nr")
         if node.op != "call_function" or seq is None:
@@ -259,12 +323,25 @@ def _read_forward(gm, joint):
         # the op autograd saw: a node that is its own ``original_aten`` (a
         # compiler's decompositions make several nodes of one seq_nr, each
         # naming the op they decompose)
-        node = next((n for n in group if n.meta.get("original_aten") in (None, n.target)), group[0])
-        lifted = _lifted_name(node, joint.lifted)
+        node = next((n for n in group if _is_own_aten(n)), None)
+        lifted = _lifted_name(node or group[0], joint.lifted)
         if lifted is None:
             continue           # amanda's routines, or a node of AOTAutograd's own
-        node_name, slots, grad_outputs = _autograd_node(node)
+        if node is None:
+            node_name, slots, grad_outputs = _decomposed_node(group)
+            node = group[-1]
+        else:
+            node_name, slots, grad_outputs = _autograd_node(node)
         joint.ops[seq] = _ForwardOp(node.name, lifted, node_name, slots, grad_outputs)
+        joint.made_by.update((n.name, seq) for n in group)
+
+
+def _is_own_aten(node):
+    """Whether ``node`` is the op autograd saw, not a piece of a compiler's
+    decomposition of it (compared by name: ``meta["original_aten"]`` is
+    another ``OpOverload`` object for the same op)."""
+    original = node.meta.get("original_aten")
+    return original is None or str(original) == str(node.target)
 
 
 def _lifted_name(node, lifted):
@@ -315,12 +392,30 @@ def _autograd_node(node):
             slots.append(by_id.get(id(variable)) if variable is not None else None)
         return type(grad_fn).__name__, slots, len(grad_fn._input_metadata)
     except Exception:   # noqa: BLE001 - symbolic sizes, an op without a meta kernel
-        target = node.meta.get("original_aten") or node.target
-        name = getattr(target, "__name__", "op").split(".")[0].strip("_")
-        camel = "".join(part.capitalize() for part in name.split("_"))
-        tensors = [a.name for a in node.all_input_nodes
-                   if isinstance(a.meta.get("val"), torch.Tensor)]
-        return f"{camel}Backward0", tensors, 1
+        return _decomposed_node([node])
+
+
+def _decomposed_node(group):
+    """(name, inputs, gradients in) of the autograd node of an op a
+    compiler decomposed (``group``: its forward aten nodes, none of them the
+    op itself), or of an op that cannot run on meta tensors. **Rule:** the
+    name is made from ``meta["original_aten"]``'s: camel case, a trailing
+    ``_forward`` dropped, ``Backward0`` (``_log_softmax`` ->
+    ``LogSoftmaxBackward0``, ``nll_loss_forward`` -> ``NllLossBackward0``);
+    the inputs are the tensors the group reads from outside it, in order."""
+    first = group[0]
+    target = first.meta.get("original_aten") or first.target
+    name = getattr(target, "__name__", "op").split(".")[0].strip("_")
+    name = name[:-len("_forward")] if name.endswith("_forward") else name
+    camel = "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+    members = set(group)
+    tensors = []
+    for node in group:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg.name not in tensors \
+                    and isinstance(arg.meta.get("val"), torch.Tensor):
+                tensors.append(arg.name)
+    return f"{camel}Backward0", tensors, 1
 
 
 # -- the backward graph ----------------------------------------------------------------------
@@ -444,39 +539,49 @@ def _flows_to(node, output, group_of, seq):
     return None
 
 
-def _forward_value(joint, name):
-    """A forward value's name, seen through amanda's straight-through
-    routines (``amanda::replace``) and tuple items: the name of the value a
-    gradient of ``name`` flows on to."""
-    while name in joint.getitems:
+def _destination(joint, name, seen=None):
+    """Where the gradient of forward value ``name`` flows in the backward
+    graph: ``("group", seq_nr)`` for a value a lifted op's forward aten
+    ops made, ``("output", position)`` for a primal, else (a value amanda's
+    routines made: ``amanda::replace``, a portable routine's
+    straight-through arithmetic) where the gradient of the first of its
+    inputs that has one flows; None for no gradient (``detach``)."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return None
+    seen.add(name)
+    if name in joint.primal_positions:
+        return ("output", joint.primal_positions[name])
+    if name in joint.made_by:
+        return ("group", joint.made_by[name])
+    if name in joint.getitems:
         source, index = joint.getitems[name]
         if source in joint.replaced:
-            name = joint.replaced[source][index]
-            continue
-        return source
-    return name
+            return _destination(joint, joint.replaced[source][index], seen)
+        return _destination(joint, source, seen)
+    if joint.kinds.get(name) in _PLUMBING:
+        return None
+    for arg in joint.inputs.get(name, ()):
+        found = _destination(joint, arg, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def _match(produced, fop, joint, output, group_of):
     """The produced gradients in the order of the autograd node's inputs
-    (None where it produces none); gradients matched to no input follow."""
+    (None where it produces none), each matched to the input whose
+    gradient flows where it flows; gradients matched to no input follow."""
     slots = [None] * len(fop.slots)
-    targets = [_forward_value(joint, name) if name is not None else None for name in fop.slots]
+    targets = [_destination(joint, name) if name is not None else None for name in fop.slots]
     extra = []
     for node in produced:
         where = _flows_to(node, output, group_of, group_of[node])
-        value = None
-        if where is not None and where[0] == "output" and where[1] < len(joint.primals):
-            value = joint.primals[where[1]]
-        elif where is not None and where[0] == "group":
-            value = joint.ops[where[1]].name
-        placed = False
         for i, target in enumerate(targets):
-            if slots[i] is None and target is not None and target == value:
+            if slots[i] is None and target is not None and target == where:
                 slots[i] = node
-                placed = True
                 break
-        if not placed:
+        else:
             extra.append(node)
     return slots + extra
 
