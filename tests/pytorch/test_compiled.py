@@ -217,7 +217,9 @@ def test_replacing_routines(portable_routine):
 
 
 def test_backward_tools_fall_back_to_eager():
-    """Backward points are not in compiled graphs yet: such tools run the model eagerly."""
+    """Backward points are put in AOTAutograd's backward graphs: with a
+    compiler that runs none (a counting backend), such tools run the model
+    eagerly (tests/pytorch/test_compiled_backward.py for the compiled ones)."""
     from tests.pytorch.test_eager_trust import Counter, mlp
     model, x = mlp(), torch.rand(2, 8)
     backend = CompileCounter()

@@ -286,10 +286,12 @@ class _Backward(amanda.Tool):
 def test_running_eagerly_is_said_once_at_the_users_line(case):
     """A compiled callable that runs eagerly inside ``apply`` loses no point
     but its speed: one EagerFallbackWarning per callable and reason, naming
-    the reason, at the line that called it."""
+    the reason, at the line that called it. (Backward routines run compiled
+    on ``aot_eager``, tests/pytorch/test_compiled_backward.py; a compiler
+    without AOTAutograd, ``eager``, still runs them eagerly.)"""
     import warnings
     model = _Breaks() if case == "graph break" else Block()
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager" if case == "graph break" else "eager")
     x = torch.randn(4, 4) if case == "graph break" else torch.randn(4, 8)
     tool = Observe() if case == "graph break" else _Backward()
     with warnings.catch_warnings(record=True) as caught:

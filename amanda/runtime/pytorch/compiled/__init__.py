@@ -52,6 +52,7 @@ import torch
 from amanda import controls
 from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
 from amanda.runtime.pytorch.compiled import sites as _sites
+from amanda.runtime.pytorch.compiled.backward import backward_compiler, supports_backward
 from amanda.runtime.pytorch.compiled.graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
     _MODULE_FILE,
@@ -138,10 +139,16 @@ def _pick_callback(callback):
         # analysis at every execution: a compiled graph is analysed once
         _note_fallback(callback, _UNCACHED)
         return None
-    elif session.has_backward or session.requires_graph:
-        # backward points / whole graphs: the eager runtime (see the docs)
-        _note_fallback(callback, "the tools have backward routines" if session.has_backward
-                       else "the tools ask for whole graphs")
+    elif session.requires_graph:
+        # whole graphs: the eager runtime (see the docs)
+        _note_fallback(callback, "the tools ask for whole graphs")
+        return None
+    elif session.has_backward and not supports_backward(_user_compiler(callback)):
+        # backward points are put in AOTAutograd's backward graphs, which
+        # amanda makes for the compilers it knows only
+        _note_fallback(callback, "the tools have backward routines and the callable's compiler "
+                       f"({_compiler_name(callback)}) is not one amanda runs AOTAutograd for "
+                       "(aot_eager, inductor, an aot_autograd(...) backend)")
         return None
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
@@ -254,6 +261,16 @@ def _instrumented(session, user_callback, caller):
                                                                   caller))
         return entry[1]
     return choose
+
+
+def _user_compiler(callback):
+    inner = getattr(callback, "_torchdynamo_orig_backend", None)
+    return getattr(inner, "_torchdynamo_orig_backend", None)
+
+
+def _compiler_name(callback):
+    compiler = _user_compiler(callback)
+    return getattr(compiler, "__name__", None) or type(compiler).__name__
 
 
 def _amanda_callback(callback, session, user_callback, caller=None):
@@ -567,7 +584,12 @@ class InstrumentingBackend:
                 _tls.unsupported = str(error)
                 return gm.forward
         constants = gm.__dict__.get("amanda_constants", [])
-        compiled = with_constants(self.compiler(gm, list(example_inputs) + constants, **kwargs),
+        compiler = self.compiler
+        if supports_backward(compiler):
+            # AOTAutograd run by amanda, the user's compiler inside: the backward
+            # graph gets the tools' backward points and runs outside eager's mode
+            compiler = backward_compiler(compiler, self.session, lifted, plan)
+        compiled = with_constants(compiler(gm, list(example_inputs) + constants, **kwargs),
                                   constants)
         if self.caller is None or not lifted.counts:
             return compiled

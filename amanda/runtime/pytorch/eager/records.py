@@ -88,6 +88,17 @@ def resolve_straight_through(node):
     return node
 
 
+def _replaces(tensor, accumulator):
+    """Whether ``tensor`` is a routine's straight-through replacement of the
+    parameter ``accumulator`` accumulates into (a before-routine that
+    replaced the op's input): the accumulator is then named by that
+    input's position, as without the routine (before, it was named by its
+    occurrence in the walk, and its id changed with the routine)."""
+    grad_fn = getattr(tensor, "grad_fn", None)
+    return (grad_fn is not None and _is_straight_through(grad_fn)
+            and resolve_straight_through(grad_fn) is accumulator)
+
+
 def _is_tensor(value):
     return isinstance(value, _Tensor)
 
@@ -238,7 +249,8 @@ class _OpRecord:
                 if callable(inputs):
                     inputs = inputs()
                 variable = node.variable
-                index = next((f"input{p}" for p, t in enumerate(inputs) if t is variable), None)
+                index = next((f"input{p}" for p, t in enumerate(inputs)
+                              if t is variable or _replaces(t, node)), None)
             if index is None:
                 index = seen.get(name, 0)
                 seen[name] = index + 1

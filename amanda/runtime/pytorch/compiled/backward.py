@@ -1,0 +1,823 @@
+"""Compiled PyTorch: backward points inside AOTAutograd's backward graphs.
+
+For tools with backward routines, amanda runs AOTAutograd itself with the
+user's compiler as its inner compilers (`backward_compiler`): the forward
+graph is read on its way to the user's forward compiler (which autograd
+node each forward aten op makes, `_read_forward`), and the backward graph
+gets its points before it reaches the user's backward compiler
+(`_insert_points`).
+
+**What a backward op is.** AOTAutograd's backward graph is made of aten
+ops, each carrying the ``seq_nr`` of the forward aten op it differentiates,
+i.e. of the autograd node eager would have made for it. The nodes of one
+``seq_nr`` are one backward op. Its forward aten op's ``from_node`` is the
+Dynamo node, the lifted op, so the backward op belongs to that op (its id
+is eager's). Its name is the class of the autograd node the forward aten op
+makes (`_autograd_node`: the op is run on meta tensors that require grad:
+``AddmmBackward0``, ``TBackward0``), its index the occurrence of that name
+among the op's backward ops, and its id eager's formula on them. Gradient
+accumulation into a parameter (eager's ``AccumulateGrad``, claimed by the
+first op that reads the parameter) is the point on the backward graph's
+output for that parameter.
+
+**Values.** ``get_grad_outputs()`` are the gradients flowing into the
+group (one per output of the forward aten op that has a gradient);
+``get_grad_inputs()`` the gradients it produces, one per input of the
+forward aten op as autograd's node has them (None where it produces none).
+Each produced gradient is matched to the forward input it differentiates
+by where it flows: into the group of the op that made that input, or into
+the graph's output for a primal.
+
+**Routines** run in one opaque op per point, ``amanda::backward_point``,
+which runs the analysis at its first execution (with the real gradients,
+as eagerly) and the recorded actions at every one; what it returns takes
+the place of the gradients (straight-through: the backward graph is not
+differentiated again).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from amanda import controls
+from amanda.context import OpContext
+from amanda.runtime.pytorch.compiled.graphs import NAMESPACE
+from amanda.runtime.pytorch.eager.records import BackwardOp, _stable_id
+from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _invoke, _meta
+from amanda.runtime.routines import check_replacements, routine_error, select
+from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
+
+__all__ = ["backward_compiler", "supports_backward"]
+
+
+# -- the user's compiler, with amanda's inner compilers ------------------------------------
+
+def _unwrapped(compiler):
+    """The compiler behind Dynamo's wrappers (``WrapBackendDebug``,
+    ``torch.compile``'s wrapper of a named backend without options)."""
+    for _ in range(8):
+        inner = getattr(compiler, "_torchdynamo_orig_backend", None)
+        if inner is None and type(compiler).__name__ == "_TorchCompileWrapper" \
+                and not compiler.kwargs:
+            inner = compiler.compiler_fn
+        if inner is None:
+            return compiler
+        compiler = inner
+    return compiler
+
+
+def _aot_kind(compiler):
+    """How amanda runs AOTAutograd for ``compiler``: ``"aot"`` (an
+    ``aot_autograd(...)`` backend, whose inner compilers are wrapped),
+    ``"aot_eager"`` (Dynamo's ``aot_eager``, which takes inner compilers as
+    arguments), ``"inductor"`` (``compile_fx`` with an ``inner_compile`` of
+    amanda's), or None: a compiler amanda cannot put backward points in."""
+    from torch._dynamo.backends import common, debugging
+    compiler = _unwrapped(compiler)
+    if isinstance(compiler, common.AotAutograd):
+        return "aot"
+    if compiler is debugging.aot_eager:
+        return "aot_eager"
+    if _inductor_config(compiler) is not None:
+        return "inductor"
+    return None
+
+
+def _inductor_config(compiler):
+    """The config patches of an inductor compiler (``torch.compile``'s
+    default wrapper or the registered ``inductor`` backend), else None."""
+    import torch._dynamo
+    if type(compiler).__name__ == "_TorchCompileInductorWrapper":
+        return dict(getattr(compiler, "config", {}) or {})
+    try:
+        if compiler is torch._dynamo.lookup_backend("inductor"):
+            return {}
+    except Exception:   # noqa: BLE001 - no inductor in this build
+        return None
+    return None
+
+
+def supports_backward(compiler):
+    """Whether amanda can put backward points in what ``compiler`` compiles."""
+    return _aot_kind(compiler) is not None
+
+
+def backward_compiler(compiler, session, lifted, plan):
+    """A Dynamo compiler that compiles with ``compiler`` a graph whose
+    backward graph has the backward points of ``session``'s tools (none
+    for tools without backward routines), and runs outside amanda's eager
+    mode (`_OutsideEagerMode`).
+
+    Args:
+        compiler: the user's compiler (`supports_backward`).
+        session: the applied tools.
+        lifted: the `LiftedGraph` of the Dynamo graph.
+        plan: the forward analysis' plan (its contexts are the parents of
+            the backward contexts, as eagerly).
+    """
+    kind = _aot_kind(compiler)
+    compiler = _unwrapped(compiler)
+
+    def compile_graph(gm, example_inputs, **kwargs):
+        with _no_caches():
+            return compile_joint(gm, example_inputs, **kwargs)
+
+    def compile_joint(gm, example_inputs, **kwargs):
+        joint = _Joint(session, lifted, plan, gm)
+        if kind == "inductor":
+            return _inductor(compiler, joint)(gm, example_inputs)
+        if kind == "aot_eager":
+            from torch._dynamo.backends.debugging import boxed_nop
+            return compiler(gm, example_inputs, fw_compiler=joint.forward(boxed_nop),
+                            bw_compiler=joint.backward(boxed_nop), **kwargs)
+        from torch._dynamo.backends.common import AotAutograd
+        options = dict(compiler.kwargs)
+        fw = options["fw_compiler"]
+        bw = options.get("bw_compiler") or fw
+        options["fw_compiler"] = joint.forward(fw)
+        options["bw_compiler"] = joint.backward(bw)
+        if options.get("inference_compiler") is None:
+            options["inference_compiler"] = fw
+        return AotAutograd(**options)(gm, example_inputs, **kwargs)
+    return compile_graph
+
+
+def _no_caches():
+    """AOTAutograd's and inductor's caches off while amanda compiles: a hit
+    (a graph compiled in another process, or the vanilla one: backward
+    points change no Dynamo graph) would skip amanda's inner compilers, and
+    the points' handles are this process' own."""
+    import contextlib
+    from torch._functorch import config as functorch_config
+    stack = contextlib.ExitStack()
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+    return stack
+
+
+def _inductor(compiler, joint):
+    from torch._inductor import compile_fx as inductor
+
+    def inner_compile(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            _insert_points(gm, joint)
+        elif not kwargs.get("is_inference"):
+            _read_forward(gm, joint)
+        # the backward graph is compiled at the first backward, under eager's
+        # mode: inductor's own torch calls (torch.empty in its dtype
+        # propagation) were taken for forward ops
+        with _no_caches(), _eager_mode_out():
+            compiled = inductor.compile_fx_inner(gm, example_inputs, **kwargs)
+        return _OutsideEagerMode(compiled) if kwargs.get("is_backward") else compiled
+
+    def compile_graph(gm, example_inputs):
+        return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                   config_patches=_inductor_config(compiler) or None,
+                                   compile_region_name=getattr(compiler, "name", None))
+    return compile_graph
+
+
+class _Joint:
+    """What amanda knows of one AOTAutograd compilation: the session, the
+    lifted Dynamo graph and its forward plan, and (once the forward graph
+    went by) what each ``seq_nr`` differentiates."""
+
+    def __init__(self, session, lifted, plan, gm):
+        self.session = session
+        self.lifted = lifted
+        self.plan = plan
+        self.dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.ops = {}          # seq_nr -> _ForwardOp
+        # the forward graph, by node name (`_destination`)
+        self.primal_positions = {}   # placeholder -> position
+        self.getitems = {}     # getitem -> (source, index)
+        self.replaced = {}     # amanda::replace call -> what it replaces
+        self.made_by = {}      # value a lifted op's aten op made -> its seq_nr
+        self.kinds = {}        # call -> target's name
+        self.inputs = {}       # call -> its tensor inputs
+        self.read = False
+
+    def forward(self, inner):
+        def fw_compiler(gm, example_inputs, *args, **kwargs):
+            _read_forward(gm, self)
+            return inner(gm, example_inputs, *args, **kwargs)
+        return fw_compiler
+
+    def backward(self, inner):
+        def bw_compiler(gm, example_inputs, *args, **kwargs):
+            _insert_points(gm, self)
+            with _eager_mode_out():     # compiled at the first backward
+                compiled = inner(_eager_graph_module(gm), example_inputs, *args, **kwargs)
+            return _OutsideEagerMode(compiled)
+        return bw_compiler
+
+
+class _OutsideEagerMode:
+    """A compiled backward graph, run with amanda's eager ``TorchFunctionMode``
+    out of the way. ``loss.backward()`` inside ``apply`` runs under that mode
+    (the engine entry pushes it, for the Python code autograd runs), and the
+    mode took the backward graph's own calls (``aten.mm``, ``aten.t``,
+    ``amanda::backward_point``...) for forward ops of the model: points
+    with made-up ids (a NaN finder checked 98 ops where eager checks 32).
+    Everything else of the compiled callable (its attributes, the boxed
+    calling convention) is the compiler's."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        if getattr(compiled, "_boxed_call", False):
+            # in the instance's dict: Dynamo's disable() wraps the compiled
+            # backward with functools.wraps, which copies the dict only
+            self._boxed_call = True
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+    def __call__(self, *args, **kwargs):
+        with _eager_mode_out():
+            return self.compiled(*args, **kwargs)
+
+
+class _eager_mode_out:
+    """amanda's eager ``TorchFunctionMode`` off the top of the thread's mode
+    stack for the block (where it is there: during ``backward()``)."""
+
+    __slots__ = ("mode",)
+
+    def __enter__(self):
+        from amanda.runtime.pytorch.eager.mode import _Mode
+        stack = torch.overrides._get_current_function_mode_stack()
+        self.mode = None
+        if stack and isinstance(stack[-1], _Mode):
+            self.mode = torch._C._pop_torch_function_stack()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            torch._C._push_on_torch_function_stack(self.mode)
+        return False
+
+
+def _eager_graph_module(gm):
+    """``gm`` as a plain ``GraphModule``. A lazy one's ``forward`` (which
+    ``boxed_nop`` keeps) calls the module through ``Module.__call__`` at
+    every run, and during backward amanda's eager module hooks take such a
+    call for a module recomputed by activation checkpointing and mute it:
+    the points would not run."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    if not isinstance(gm, _LazyGraphModule):
+        return gm
+    plain = torch.fx.GraphModule(gm, gm.graph)
+    plain.meta = dict(getattr(gm, "meta", {}))
+    return plain
+
+
+# -- the forward graph -----------------------------------------------------------------------
+
+class _ForwardOp:
+    """The forward aten op of one ``seq_nr``: its node's name, the lifted op
+    it comes from, the autograd node eager makes for it (name, and per input
+    of that node the forward value it differentiates, or None), and how
+    many gradients flow into that node."""
+
+    __slots__ = ("name", "lifted", "node_name", "slots", "grad_outputs")
+
+    def __init__(self, name, lifted, node_name, slots, grad_outputs):
+        self.name = name
+        self.lifted = lifted
+        self.node_name = node_name
+        self.slots = slots
+        self.grad_outputs = grad_outputs
+
+
+_PLUMBING = frozenset(["detach", "getitem", "alias"])
+
+
+def _read_forward(gm, joint):
+    if not joint.session.has_backward:
+        return        # no points: the backward graph only runs outside eager's mode
+    joint.read = True
+    nodes = list(gm.graph.nodes)
+    joint.primal_positions = {n.name: i for i, n in enumerate(n for n in nodes
+                                                             if n.op == "placeholder")}
+    by_seq = {}
+    for node in nodes:
+        if node.op == "call_function":
+            joint.kinds[node.name] = getattr(node.target, "__name__", "").split(".")[0]
+            joint.inputs[node.name] = [a.name for a in node.all_input_nodes
+                                       if isinstance(a.meta.get("val"), torch.Tensor)]
+        if node.op == "call_function" and node.target is operator.getitem:
+            joint.getitems[node.name] = (node.args[0].name, node.args[1])
+        elif node.op == "call_function" and str(node.target) == str(_replace_op()):
+            joint.replaced[node.name] = [t.name for t in node.args[1]]
+        seq = node.meta.get("seq_nr")
+        if node.op != "call_function" or seq is None:
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _PLUMBING:
+            continue
+        by_seq.setdefault(seq, []).append(node)
+    for seq, group in by_seq.items():
+        # the op autograd saw: a node that is its own ``original_aten`` (a
+        # compiler's decompositions make several nodes of one seq_nr, each
+        # naming the op they decompose)
+        node = next((n for n in group if _is_own_aten(n)), None)
+        lifted = _lifted_name(node or group[0], joint.lifted)
+        if lifted is None:
+            continue           # amanda's routines, or a node of AOTAutograd's own
+        if node is None:
+            node_name, slots, grad_outputs = _decomposed_node(group)
+            node = group[-1]
+        else:
+            node_name, slots, grad_outputs = _autograd_node(node)
+        joint.ops[seq] = _ForwardOp(node.name, lifted, node_name, slots, grad_outputs)
+        joint.made_by.update((n.name, seq) for n in group)
+
+
+def _is_own_aten(node):
+    """Whether ``node`` is the op autograd saw, not a piece of a compiler's
+    decomposition of it (compared by name: ``meta["original_aten"]`` is
+    another ``OpOverload`` object for the same op)."""
+    original = node.meta.get("original_aten")
+    return original is None or str(original) == str(node.target)
+
+
+def _lifted_name(node, lifted):
+    """The lifted op a forward aten node comes from (``meta["from_node"]``:
+    the Dynamo node), or None."""
+    sources = node.meta.get("from_node") or []
+    for source in reversed(sources):
+        name = getattr(source, "name", None)
+        if name in lifted.nodes:
+            return name
+    return None
+
+
+def _autograd_node(node):
+    """(name of the autograd node eager makes for forward aten ``node``, the
+    forward value name each of its inputs differentiates or None, how many
+    gradients flow into it): the op is run on meta tensors that require
+    grad, no data is read. Where it cannot run there, its name is made from
+    the op's and its inputs are its tensor arguments in order."""
+    values = []
+
+    def meta(arg):
+        if isinstance(arg, torch.fx.Node):
+            value = arg.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                             device="meta")
+                if tensor.is_floating_point() or tensor.is_complex():
+                    tensor.requires_grad_()
+                values.append((tensor, arg.name))
+                return tensor
+            return value
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(meta(a) for a in arg)
+        return arg
+    try:
+        args = [meta(a) for a in node.args]
+        kwargs = {k: meta(v) for k, v in node.kwargs.items()}
+        with torch.enable_grad():
+            result = node.target(*args, **kwargs)
+        results = result if isinstance(result, (tuple, list)) else [result]
+        grad_fn = next(r.grad_fn for r in results if isinstance(r, torch.Tensor)
+                       and r.grad_fn is not None)
+        by_id = {id(t): name for t, name in values}
+        slots = []
+        for child, _ in grad_fn.next_functions:
+            variable = getattr(child, "variable", None)
+            slots.append(by_id.get(id(variable)) if variable is not None else None)
+        return type(grad_fn).__name__, slots, len(grad_fn._input_metadata)
+    except Exception:   # noqa: BLE001 - symbolic sizes, an op without a meta kernel
+        return _decomposed_node([node])
+
+
+def _decomposed_node(group):
+    """(name, inputs, gradients in) of the autograd node of an op a
+    compiler decomposed (``group``: its forward aten nodes, none of them the
+    op itself), or of an op that cannot run on meta tensors. **Rule:** the
+    name is made from ``meta["original_aten"]``'s: camel case, a trailing
+    ``_forward`` dropped, ``Backward0`` (``_log_softmax`` ->
+    ``LogSoftmaxBackward0``, ``nll_loss_forward`` -> ``NllLossBackward0``);
+    the inputs are the tensors the group reads from outside it, in order."""
+    first = group[0]
+    target = first.meta.get("original_aten") or first.target
+    name = getattr(target, "__name__", "op").split(".")[0].strip("_")
+    name = name[:-len("_forward")] if name.endswith("_forward") else name
+    camel = "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+    members = set(group)
+    tensors = []
+    for node in group:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg.name not in tensors \
+                    and isinstance(arg.meta.get("val"), torch.Tensor):
+                tensors.append(arg.name)
+    return f"{camel}Backward0", tensors, 1
+
+
+# -- the backward graph ----------------------------------------------------------------------
+
+def _insert_points(gm, joint):
+    """Puts the backward points of the session into backward graph ``gm``
+    (in place): a ``amanda::backward_point`` call before and after each
+    group of nodes of one forward aten op of a lifted op, and before the
+    output for each parameter's gradient (eager's ``AccumulateGrad``)."""
+    if not joint.read:
+        return
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    grads = _gradients(nodes)
+    groups = {}
+    for node in nodes:
+        seq = node.meta.get("seq_nr")
+        if node.op == "call_function" and seq in joint.ops:
+            groups.setdefault(seq, []).append(node)
+    group_of = {n: seq for seq, members in groups.items() for n in members}
+    counts = {}
+    # eager names a node by its occurrence among its op's nodes of one kind,
+    # met walking from the op's outputs: the latest made first. Gradients
+    # flow from later ops to earlier ones, so a group is wired after the
+    # groups whose gradients it receives (through their after-points).
+    for seq in sorted(groups, reverse=True):
+        fop = joint.ops[seq]
+        key = (fop.lifted, fop.node_name)
+        index = counts.get(key, 0)
+        counts[key] = index + 1
+        members = groups[seq]
+        incoming = _incoming(members, group_of, seq, grads)
+        produced = _produced(members, output, group_of, seq, grads)
+        if not incoming and not produced:
+            continue    # forward values a compiler recomputes: no gradient flows here
+        slots = _match(produced, fop, joint, output, group_of)
+        point = _Point(joint, fop.lifted, fop.node_name, index)
+        grads.update(_wire(graph, point, members, incoming, slots, fop.grad_outputs))
+    _accumulations(graph, output, joint)
+    _stable_sort(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _stable_sort(graph):
+    """Reorders ``graph`` so that every node follows its inputs, keeping the
+    present order wherever it already does (the points' calls were put
+    beside their groups, whose gradients may be made later)."""
+    import heapq
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [position[n] for n in nodes if not waiting[n]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, position[user])
+    if order == nodes:
+        return
+    cursor = order[0]
+    if cursor is not nodes[0]:
+        nodes[0].prepend(cursor)
+    for node in order[1:]:
+        cursor.append(node)
+        cursor = node
+
+
+def _gradients(nodes):
+    """The nodes whose values depend on a tangent (gradients, not values the
+    forward saved)."""
+    found = set()
+    for node in nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                found.add(node)
+        elif node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _incoming(members, group_of, seq, grads):
+    seen = []
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg in grads and group_of.get(arg) != seq and arg not in seen:
+                seen.append(arg)
+    return seen
+
+
+def _produced(members, output, group_of, seq, grads):
+    return [n for n in members if n in grads and any(
+        u is output or group_of.get(u) != seq for u in n.users)]
+
+
+def _flows_to(node, output, group_of, seq):
+    """Where gradient ``node`` of group ``seq`` flows: ``("group", seq')`` or
+    ``("output", position)``, through nodes of no group (the sums of
+    gradients of a value used twice)."""
+    queue, seen = [node], set()
+    while queue:
+        current = queue.pop(0)
+        for user in current.users:
+            if user is output:
+                flat = output.args[0]
+                for i, value in enumerate(flat):
+                    if value is current:
+                        return ("output", i)
+                continue
+            other = group_of.get(user)
+            if other is not None and other != seq:
+                return ("group", other)
+            if other is None and user not in seen:
+                seen.add(user)
+                queue.append(user)
+    return None
+
+
+def _destination(joint, name, seen=None):
+    """Where the gradient of forward value ``name`` flows in the backward
+    graph: ``("group", seq_nr)`` for a value a lifted op's forward aten
+    ops made, ``("output", position)`` for a primal, else (a value amanda's
+    routines made: ``amanda::replace``, a portable routine's
+    straight-through arithmetic) where the gradient of the first of its
+    inputs that has one flows; None for no gradient (``detach``)."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return None
+    seen.add(name)
+    if name in joint.primal_positions:
+        return ("output", joint.primal_positions[name])
+    if name in joint.made_by:
+        return ("group", joint.made_by[name])
+    if name in joint.getitems:
+        source, index = joint.getitems[name]
+        if source in joint.replaced:
+            return _destination(joint, joint.replaced[source][index], seen)
+        return _destination(joint, source, seen)
+    if joint.kinds.get(name) in _PLUMBING:
+        return None
+    for arg in joint.inputs.get(name, ()):
+        found = _destination(joint, arg, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _match(produced, fop, joint, output, group_of):
+    """The produced gradients in the order of the autograd node's inputs
+    (None where it produces none), each matched to the input whose
+    gradient flows where it flows; gradients matched to no input follow."""
+    slots = [None] * len(fop.slots)
+    targets = [_destination(joint, name) if name is not None else None for name in fop.slots]
+    extra = []
+    for node in produced:
+        where = _flows_to(node, output, group_of, group_of[node])
+        for i, target in enumerate(targets):
+            if slots[i] is None and target is not None and target == where:
+                slots[i] = node
+                break
+        else:
+            extra.append(node)
+    return slots + extra
+
+
+def _wire(graph, point, members, incoming, slots, width):
+    """The point's two calls: before the group on its incoming gradients,
+    after it on the gradients it produces (each replacing what it passes).
+    Returns the nodes of the gradients the calls pass on."""
+    ops = _custom_ops()
+    first = members[0]
+    grad_outputs = list(incoming) + [None] * max(0, width - len(incoming))
+    handle = _register(point)
+    before = []
+    if incoming:     # also for after-routines only: they may record before-actions
+        with graph.inserting_before(first):
+            call = graph.call_function(ops["point"], (handle, 0, grad_outputs, []))
+        news = before = _items(graph, call, len(incoming))
+        mapping = dict(zip(incoming, news))
+        for node in members:
+            node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
+            node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
+        grad_outputs = [mapping.get(n, n) if n is not None else None for n in grad_outputs]
+    produced = [n for n in slots if n is not None]
+    users = {n: [u for u in n.users if u not in members] for n in produced}
+    last = members[-1]
+    with graph.inserting_after(last):
+        call = graph.call_function(ops["point"], (handle, 1, grad_outputs, list(slots)))
+    news = _items(graph, call, len(produced))
+    for node, new in zip(produced, news):
+        for user in users[node]:
+            user.replace_input_with(node, new)
+    return news + before
+
+
+def _accumulations(graph, output, joint):
+    """Eager's ``AccumulateGrad`` points: the gradient of each parameter (a
+    leaf that requires grad among the Dynamo graph's inputs), owned by the
+    first lifted op that reads it, at the input position it has there."""
+    values = list(output.args[0])
+    owners = _first_readers(joint)
+    ops = _custom_ops()
+    changed = False
+    for position, value in enumerate(values):
+        if not isinstance(value, torch.fx.Node) or position >= len(joint.dynamo_placeholders):
+            continue
+        owner = owners.get(position)
+        if owner is None:
+            continue
+        op_name, index = owner
+        point = _Point(joint, op_name, "AccumulateGrad", f"input{index}")
+        handle = _register(point)
+        with graph.inserting_before(output):
+            call = graph.call_function(ops["point"], (handle, 0, [value], []))
+            value = _items(graph, call, 1)[0]
+            graph.call_function(ops["point"], (handle, 1, [value], []))
+        values[position] = value
+        changed = True
+    if changed:
+        output.args = (tuple(values),) + tuple(output.args[1:])
+
+
+def _first_readers(joint):
+    """Dynamo placeholder position -> (lifted op name, input position) of
+    the first lifted op that reads it, for the parameters (leaves that
+    require grad), seen through amanda's forward routines."""
+    from amanda.runtime.pytorch.compiled.graphs import _value
+    params = {}
+    for position, node in enumerate(joint.dynamo_placeholders):
+        value = _value(node)
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
+            params[node] = position
+    owners = {}
+    replace = _replace_op()
+    for name, node in joint.lifted.nodes.items():
+        args = []
+        for arg in list(node.args) + list(node.kwargs.values()):
+            args.extend(arg if isinstance(arg, (list, tuple)) else [arg])
+        index = 0
+        for arg in args:
+            if not isinstance(arg, torch.fx.Node):
+                continue
+            while (arg.target is operator.getitem and isinstance(arg.args[0], torch.fx.Node)
+                   and arg.args[0].target is replace):
+                arg = arg.args[0].args[1][arg.args[1]]
+            if not isinstance(_value(arg), torch.Tensor):
+                continue
+            position = params.get(arg)
+            if position is not None and position not in owners:
+                owners[position] = (name, index)
+            index += 1
+    return owners
+
+
+def _items(graph, call, count):
+    items, cursor = [], call
+    for i in range(count):
+        with graph.inserting_after(cursor):
+            cursor = graph.call_function(operator.getitem, (call, i))
+        items.append(cursor)
+    return items
+
+
+def _replace_op():
+    from amanda.runtime.pytorch.compiled.lowering import _custom_ops as forward_ops
+    return forward_ops()["replace"]
+
+
+# -- the points at run time ------------------------------------------------------------------
+
+_POINTS = []      # handle -> _Point, for the custom op
+
+
+def _register(point):
+    _POINTS.append(point)
+    return len(_POINTS) - 1
+
+
+class _Point:
+    """One backward op of a compiled graph: its context, whether its
+    analysis ran, and the actions it recorded (eager's ``_BackwardRecord``)."""
+
+    __slots__ = ("joint", "op", "name", "index", "op_id", "context", "pre_done", "post_done",
+                 "before", "after", "replace", "where")
+
+    def __init__(self, joint, op, name, index):
+        session = joint.session
+        self.joint = joint
+        self.op = op
+        self.name = name
+        self.index = index
+        self.op_id = _stable_id(joint.lifted.op_ids[op], index, name)
+        self.context = None
+        self.pre_done = not session.routines[BACKWARD_BEFORE]
+        self.post_done = not session.routines[BACKWARD_AFTER]
+        self.before, self.after, self.replace = [], [], []
+        self.where = (name, self.op_id, NAMESPACE)
+
+    def get_context(self):
+        if self.context is None:
+            lifted, op = self.joint.lifted, self.op
+            entry = self.joint.plan.ops.get(op) if self.joint.plan is not None else None
+            parent = entry.context if entry is not None else None
+            self.context = OpContext(NAMESPACE, lifted.raw_ops[op], lifted.op_ids[op],
+                                     _op_type(lifted, op), backward_op=BackwardOp(self.name, self.index),
+                                     backward_op_id=self.op_id, module_path=lifted.module_paths[op],
+                                     parent=parent)
+        return self.context
+
+    def run_before(self, grad_outputs):
+        session = self.joint.session
+        if not session.active or controls.state.disabled:
+            return grad_outputs
+        if not self.pre_done:
+            context = self.get_context()
+            context._set_values(grad_outputs=tuple(grad_outputs))
+            try:
+                _analyse(session, BACKWARD_BEFORE, context, self)
+            finally:
+                context._set_values(grad_outputs=None)
+            self.pre_done = True
+        values = list(grad_outputs)
+        if self.before:
+            _apply_actions(self.before, values, self.where)
+        return values
+
+    def run_after(self, grad_outputs, grad_inputs):
+        session = self.joint.session
+        if not session.active or controls.state.disabled:
+            return grad_inputs
+        if not self.post_done:
+            context = self.get_context()
+            context._set_values(grad_outputs=tuple(grad_outputs), grad_inputs=tuple(grad_inputs))
+            try:
+                _analyse(session, BACKWARD_AFTER, context, self)
+            finally:
+                context._set_values(grad_outputs=None, grad_inputs=None)
+            self.post_done = True
+        values = list(grad_inputs)
+        if self.replace:
+            action = self.replace[0]
+            new = _invoke(action, select(list(grad_outputs), action.positions, action, self.where),
+                          self.where, meta=None)
+            if new is not None:
+                if len(new) != len(values):
+                    raise routine_error(action, self.where, f"returned {len(new)} gradients; the "
+                                        f"backward op produces {len(values)}",
+                                        what="replace_backward_op routine")
+                check_replacements(action, values, new, _meta, self.where)
+                values = list(new)
+        if self.after:
+            _apply_actions(self.after, values, self.where)
+        return values
+
+
+def _op_type(lifted, op):
+    for ir_op in lifted.graph.ops:
+        if ir_op.name == op:
+            return ir_op.type
+    return op
+
+
+def _point_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
+                grad_inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    record = _POINTS[handle]
+    with torch.no_grad():
+        if point == 0:
+            old, new = grad_outputs, record.run_before(grad_outputs)
+        else:
+            old, new = grad_inputs, record.run_after(grad_outputs, grad_inputs)
+    return [_fresh(n if n is not None else o, o) for o, n in zip(old, new) if o is not None]
+
+
+def _fresh(value, like):
+    """A tensor of its own (a custom op's results may not alias its
+    arguments), in the layout of the gradient it stands for."""
+    if value.shape != like.shape or value.dtype != like.dtype:
+        return value.clone()
+    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
+                               device=like.device).copy_(value)
+
+
+_OPS = {}
+
+
+def _custom_ops():
+    if not _OPS:
+        tags = (torch.Tag.nondeterministic_seeded,) + tuple(
+            getattr(torch.Tag, name) for name in ("cudagraph_unsafe",) if hasattr(torch.Tag, name))
+        op = torch.library.custom_op("amanda::backward_point", mutates_args=(), tags=tags)(_point_impl)
+
+        @op.register_fake
+        def _(handle, point, grad_outputs, grad_inputs):
+            old = grad_outputs if point == 0 else grad_inputs
+            return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    for t in old if t is not None]
+
+        torch.fx.node.has_side_effect(torch.ops.amanda.backward_point.default)
+        _OPS["point"] = torch.ops.amanda.backward_point.default
+    return _OPS

@@ -1,0 +1,389 @@
+"""Compiled PyTorch: backward points inside AOTAutograd's backward graphs
+(amanda.runtime.pytorch.compiled.backward; docs/pytorch-compiled.md,
+"Backward points").
+
+Differential: a training step (forward, ``loss.backward()``, SGD step, two
+steps) of a small MLP (the loss compiled with it) and a small conv net (the
+module compiled, the loss eager) under the same tool, eagerly and compiled:
+the (op id, backward op id, point) executions, the values the routines see
+and the parameters after the steps are eager's, bit for bit on
+``aot_eager``; on inductor the documented mapping and a tolerance.
+"""
+
+import collections
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numpy as np  # noqa: E402
+
+import amanda  # noqa: E402
+from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
+from amanda.tools.coverage import CoverageTool  # noqa: E402
+from amanda.tools.debugging import NanDetector  # noqa: E402
+from amanda.tools.flops import FlopsProfiler  # noqa: E402
+from amanda.tools.pruning import Pruner  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+class CountBackward(amanda.Tool):
+    """A routine before and after every backward op, keeping a copy of what it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.values = collections.defaultdict(list)
+        self.names = {}
+        self.add_inst_for_op(self.before, backward=True)
+        self.add_inst_for_op(self.after, backward=True, require_outputs=True)
+
+    def _key(self, context, point):
+        key = (context.get_op_id(), context.get_backward_op_id(), point)
+        op = context.get_backward_op()
+        self.names[key] = (context.get_op_name(), op.name(), op.index)
+        return key
+
+    def before(self, context):
+        context.insert_before_backward_op(self.seen, key=self._key(context, "before"))
+
+    def after(self, context):
+        context.insert_after_backward_op(self.seen, key=self._key(context, "after"))
+
+    def seen(self, *grads, key):
+        self.executions[key] += 1
+        self.values[key].append([None if g is None else g.clone() for g in grads])
+
+
+class Identity(amanda.Tool):
+    """Returns new copies of its tensors at all four points (forward before
+    and after, backward before and after): every point replaces, by equal
+    values."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.forward_before)
+        self.add_inst_for_op(self.forward_after, require_outputs=True)
+        self.add_inst_for_op(self.backward_before, backward=True)
+        self.add_inst_for_op(self.backward_after, backward=True, require_outputs=True)
+
+    def forward_before(self, context):
+        context.insert_before_op(_copies)
+
+    def forward_after(self, context):
+        context.insert_after_op(_copies)
+
+    def backward_before(self, context):
+        context.insert_before_backward_op(_copies)
+
+    def backward_after(self, context):
+        context.insert_after_backward_op(_copies)
+
+
+def _copies(*tensors):
+    return [None if t is None else t.clone() for t in tensors]
+
+
+class MaskGradients(amanda.Tool):
+    """Multiplies gradients by fixed masks: the gradient flowing into every
+    ``ReluBackward0`` (a group's incoming gradient) and every parameter's
+    gradient before it is accumulated (``AccumulateGrad``, as a pruner does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.analysis, backward=True)
+
+    def analysis(self, context):
+        name = context.get_backward_op().name()
+        if name in ("ReluBackward0", "AccumulateGrad"):
+            grad = context.get_grad_outputs()[0]
+            context.insert_before_backward_op(_masked, mask=_mask(grad))
+
+
+def _mask(tensor):
+    return (torch.arange(tensor.numel()) % 3 != 0).reshape(tensor.shape).to(tensor.dtype)
+
+
+def _masked(grad, mask):
+    return grad * mask
+
+
+# -- programs ---------------------------------------------------------------------------------
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _conv_net():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def _mlp_program(backend):
+    """The MLP with its loss compiled together (the tangent is the loss')."""
+    torch.manual_seed(0)
+    model = MLP()
+
+    def loss_of(x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+    run = torch.compile(loss_of, backend=backend) if backend else loss_of
+    torch.manual_seed(1)
+    data = (torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1]))
+    return model, run, data
+
+
+def _conv_program(backend):
+    """The conv net compiled, its loss eager."""
+    torch.manual_seed(0)
+    model = _conv_net()
+    compiled = torch.compile(model, backend=backend) if backend else model
+
+    def run(x, y):
+        return torch.nn.functional.cross_entropy(compiled(x), y)
+    torch.manual_seed(1)
+    data = (torch.randn(2, 3, 8, 8), torch.tensor([1, 2]))
+    return model, run, data
+
+
+PROGRAMS = {"mlp": _mlp_program, "conv": _conv_program}
+
+
+def _train(program, backend, tool, steps=2):
+    """Runs ``steps`` SGD steps inside ``apply(tool)`` (no tool: outside
+    amanda); returns the model and the gradients of the last step. An
+    eager fallback is an error."""
+    model, run, (x, y) = PROGRAMS[program](backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fallbacks = copy.copy(pytorch_compiled.EAGER_FALLBACKS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amanda.EagerFallbackWarning)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            if tool is None:
+                loss = run(x, y)
+                loss.backward()
+            else:
+                with amanda.apply(tool):
+                    loss = run(x, y)
+                    loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            optimizer.step()
+    assert pytorch_compiled.EAGER_FALLBACKS == fallbacks
+    return model, grads
+
+
+def _same(a, b, exact=True):
+    if a is None or b is None:
+        return a is None and b is None
+    if exact:
+        return a.shape == b.shape and torch.equal(a, b)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _same_parameters(a, b, exact=True):
+    return all(_same(p, q, exact) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# -- aot_eager: eager's points and values, bit for bit ----------------------------------------
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_counting_tool_sees_eagers_backward_points_and_values(program):
+    eager, compiled = CountBackward(), CountBackward()
+    eager_model, _ = _train(program, None, eager)
+    compiled_model, _ = _train(program, "aot_eager", compiled)
+    assert compiled.executions == eager.executions
+    assert compiled.names == eager.names
+    assert {n[1] for n in eager.names.values()} >= {"AccumulateGrad", "ReluBackward0",
+                                                     "AddmmBackward0", "TBackward0"}
+    for key, seen in eager.values.items():
+        got = compiled.values[key]
+        assert len(got) == len(seen)
+        for mine, theirs in zip(got, seen):
+            assert len(mine) == len(theirs), (eager.names[key], key[2])
+            assert all(_same(a, b) for a, b in zip(mine, theirs)), (eager.names[key], key[2])
+    assert _same_parameters(compiled_model, eager_model)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_identity_routines_keep_gradients_bit_exact(program):
+    vanilla_model, vanilla_grads = _train(program, "aot_eager", None)
+    model, grads = _train(program, "aot_eager", Identity())
+    assert all(_same(a, b) for a, b in zip(grads, vanilla_grads))
+    assert _same_parameters(model, vanilla_model)
+    eager_model, _ = _train(program, None, Identity())
+    assert _same_parameters(model, eager_model)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_masked_gradients_train_as_eagerly(program):
+    eager_model, eager_grads = _train(program, None, MaskGradients())
+    model, grads = _train(program, "aot_eager", MaskGradients())
+    vanilla_model, _ = _train(program, "aot_eager", None)
+    assert all(_same(a, b) for a, b in zip(grads, eager_grads))
+    assert _same_parameters(model, eager_model)
+    assert not _same_parameters(model, vanilla_model)      # the masks did something
+    # a masked entry of a weight's gradient is 0 (its mask's zeros: every third)
+    weight_grad = grads[0].flatten()
+    assert torch.count_nonzero(weight_grad[::3]) == 0 and torch.count_nonzero(weight_grad) > 0
+
+
+def test_points_are_in_the_backward_graph_of_an_aot_autograd_backend():
+    """A user's ``aot_autograd(...)`` backend: its backward compiler receives
+    the graph with amanda's points, and the counts are eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    graphs = []
+
+    def backward_compiler(gm, example_inputs):
+        graphs.append(gm.code)
+        return boxed_nop(gm, example_inputs)
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=backward_compiler)
+    eager, compiled = CountBackward(), CountBackward()
+    _train("conv", None, eager)
+    _train("conv", backend, compiled)
+    assert len(graphs) == 1 and "amanda.backward_point" in graphs[0]
+    assert compiled.executions == eager.executions
+
+
+class CountBackwardAfterIdentity(CountBackward):
+    """`CountBackward` beside forward routines that replace every op's
+    inputs and outputs by copies (straight-through for autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.forward)
+        self.add_inst_for_op(lambda context: context.insert_after_op(_copies), require_outputs=True)
+
+    def forward(self, context):
+        context.insert_before_op(_copies)
+        context.insert_before_op(self.count, key=(context.get_op_id(), None, "forward"))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_forward_replacements_leave_eagers_backward_points(program):
+    """Forward routines that replace a parameter input change no backward
+    op: eager's accumulator keeps the name of the input it accumulates
+    into (``input1``), and the compiled path sees through
+    ``amanda::replace`` to the same input. The forward points are eager's
+    too: the compiled backward graph's own calls (``aten.mm``...), made
+    while ``loss.backward()`` runs under amanda's eager mode, are no ops."""
+    eager, compiled = CountBackwardAfterIdentity(), CountBackwardAfterIdentity()
+    eager_model, _ = _train(program, None, eager)
+    compiled_model, _ = _train(program, "aot_eager", compiled)
+    plain = CountBackward()
+    _train(program, None, plain)
+    assert set(eager.names.values()) == set(plain.names.values())
+    assert compiled.executions == eager.executions
+    assert _same_parameters(compiled_model, eager_model)
+
+
+def _tool_summary(name, tool):
+    """What each of amanda's tools computed, to compare with eager's."""
+    if name == "pruner":
+        return {layer.op_id: np.asarray(layer.mask).tobytes() for layer in tool.layers.values()}
+    if name == "flops":
+        # keyed by (namespace, op id[, backward op id]): the namespaces differ
+        return {key[1:]: (r["type"], r["flops"], r["calls"]) for key, r in tool.records.items()}
+    if name == "nan":
+        return tool.executions, tool.report
+    return dict(tool.forward), dict(tool.backward)
+
+
+TOOLS = {"pruner": lambda: Pruner("unstructured", sparsity=0.5, mask_grads=True),
+         "flops": lambda: FlopsProfiler(backward=True),
+         "nan": NanDetector,
+         "coverage": CoverageTool}
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_amandas_backward_tools_compute_eagers_answer(name, program):
+    """amanda's tools with backward routines in a compiled training step
+    (``aot_eager``): the pruner's masks and its masked gradients, the FLOPs
+    table with backward ops, the NaN finder's checks, the coverage counts
+    and the parameters after the steps are eager's, bit for bit."""
+    eager, compiled = TOOLS[name](), TOOLS[name]()
+    eager_model, eager_grads = _train(program, None, eager)
+    model, grads = _train(program, "aot_eager", compiled)
+    assert _tool_summary(name, compiled) == _tool_summary(name, eager)
+    assert all(_same(a, b) for a, b in zip(grads, eager_grads))
+    assert _same_parameters(model, eager_model)
+
+
+class CountForward(amanda.Tool):
+    """Forward routines only: a count before every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        context.insert_before_op(self.count, key=(context.get_op_id(), context.get_op_name()))
+
+    def count(self, *tensors, key):
+        self.executions[key] += 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_compiled_backward_graphs_are_no_forward_ops(program, backend):
+    """Tools without backward routines: ``loss.backward()`` inside ``apply``
+    runs under amanda's eager mode, and the compiled backward graph's own
+    calls (``aten.t``, ``aten.mm``, inductor's ``mm`` and
+    ``convolution_backward``) were forward points with made-up ids (a
+    counting tool saw 3 (inductor) to 22 (aot_eager) of them per step); the backward graph now runs
+    outside that mode."""
+    eager, compiled = CountForward(), CountForward()
+    _train(program, None, eager)
+    _train(program, backend, compiled)
+    assert compiled.executions == eager.executions
+
+
+def test_other_compilers_still_fall_back_loudly():
+    """Backend ``eager`` runs no AOTAutograd: a tool with backward routines
+    runs the callable eagerly, with a warning that says why."""
+    tool = CountBackward()
+    model, run, (x, y) = _conv_program("eager")
+    with pytest.warns(amanda.EagerFallbackWarning, match="backward routines.*compiler"):
+        with amanda.apply(tool):
+            run(x, y).backward()
+    eager = CountBackward()
+    _train("conv", None, eager, steps=1)
+    assert tool.executions == eager.executions
+
+
+# -- inductor: the documented mapping, within a tolerance -------------------------------------
+
+#: backward ops eager has that inductor's backward graph does not: it
+#: decomposes ``t`` into ``permute`` and computes the weight's gradient in
+#: ``addmm``'s group (docs/pytorch-compiled.md, "Backward points")
+_INDUCTOR_MERGED = {"TBackward0"}
+
+
+def test_inductor_counts_and_training_follow_the_documented_mapping():
+    eager, compiled = CountBackward(), CountBackward()
+    eager_model, _ = _train("conv", None, eager)
+    compiled_model, _ = _train("conv", "inductor", compiled)
+    missing = {eager.names[k][1] for k in set(eager.executions) - set(compiled.executions)}
+    assert missing <= _INDUCTOR_MERGED
+    assert set(compiled.executions) <= set(eager.executions)
+    assert all(compiled.executions[k] == eager.executions[k] for k in compiled.executions)
+    assert _same_parameters(compiled_model, eager_model, exact=False)
+    masked_eager, _ = _train("conv", None, MaskGradients())
+    masked, _ = _train("conv", "inductor", MaskGradients())
+    assert _same_parameters(masked, masked_eager, exact=False)
