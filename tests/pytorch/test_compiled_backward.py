@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 import amanda  # noqa: E402
 from amanda.runtime.pytorch import compiled as pytorch_compiled  # noqa: E402
+from amanda.runtime.pytorch.compiled import backward  # noqa: E402
 from amanda.tools.coverage import CoverageTool  # noqa: E402
 from amanda.tools.debugging import NanDetector  # noqa: E402
 from amanda.tools.flops import FlopsProfiler  # noqa: E402
@@ -375,7 +376,22 @@ def test_other_compilers_still_fall_back_loudly():
 _INDUCTOR_MERGED = {"TBackward0"}
 
 
-def test_inductor_counts_and_training_follow_the_documented_mapping():
+def test_inductor_runs_backward_tools_eagerly_and_says_so_by_default():
+    """Off by default (a gradient-masking routine would miss the weights of
+    linears on inductor, see INDUCTOR_BACKWARD): eager's answer, loudly."""
+    tool = CountBackward()
+    model, run, (x, y) = _conv_program("inductor")
+    with pytest.warns(amanda.EagerFallbackWarning, match="INDUCTOR_BACKWARD"):
+        with amanda.apply(tool):
+            run(x, y).backward()
+    eager = CountBackward()
+    _train("conv", None, eager, steps=1)
+    assert tool.executions == eager.executions
+
+
+@pytest.mark.slow
+def test_inductor_counts_and_training_follow_the_documented_mapping(monkeypatch):
+    monkeypatch.setattr(backward, "INDUCTOR_BACKWARD", True)
     eager, compiled = CountBackward(), CountBackward()
     eager_model, _ = _train("conv", None, eager)
     compiled_model, _ = _train("conv", "inductor", compiled)

@@ -52,7 +52,8 @@ import torch
 from amanda import controls
 from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
 from amanda.runtime.pytorch.compiled import sites as _sites
-from amanda.runtime.pytorch.compiled.backward import backward_compiler, supports_backward
+from amanda.runtime.pytorch.compiled.backward import (backward_compiler, runs_aot_autograd,
+                                                      supports_backward)
 from amanda.runtime.pytorch.compiled.graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
     _MODULE_FILE,
@@ -148,7 +149,9 @@ def _pick_callback(callback):
         # amanda makes for the compilers it knows only
         _note_fallback(callback, "the tools have backward routines and the callable's compiler "
                        f"({_compiler_name(callback)}) is not one amanda runs AOTAutograd for "
-                       "(aot_eager, inductor, an aot_autograd(...) backend)")
+                       "(aot_eager, an aot_autograd(...) backend; inductor only with "
+                       "amanda.runtime.pytorch.compiled.backward.INDUCTOR_BACKWARD, "
+                       "docs/pytorch-compiled.md)")
         return None
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
@@ -585,9 +588,11 @@ class InstrumentingBackend:
                 return gm.forward
         constants = gm.__dict__.get("amanda_constants", [])
         compiler = self.compiler
-        if supports_backward(compiler):
+        if runs_aot_autograd(compiler):
             # AOTAutograd run by amanda, the user's compiler inside: the backward
-            # graph gets the tools' backward points and runs outside eager's mode
+            # graph gets the tools' backward points (where `supports_backward`
+            # let a session with backward routines get here) and runs outside
+            # eager's mode
             compiler = backward_compiler(compiler, self.session, lifted, plan)
         compiled = with_constants(compiler(gm, list(example_inputs) + constants, **kwargs),
                                   constants)

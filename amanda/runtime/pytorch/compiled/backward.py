@@ -50,7 +50,7 @@ from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _inv
 from amanda.runtime.routines import check_replacements, routine_error, select
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE
 
-__all__ = ["backward_compiler", "supports_backward"]
+__all__ = ["backward_compiler", "runs_aot_autograd", "supports_backward"]
 
 
 # -- the user's compiler, with amanda's inner compilers ------------------------------------
@@ -100,9 +100,29 @@ def _inductor_config(compiler):
     return None
 
 
-def supports_backward(compiler):
-    """Whether amanda can put backward points in what ``compiler`` compiles."""
+#: Whether tools with backward routines compile with inductor too. Off by
+#: default: inductor computes a linear's weight gradient in ``addmm``'s
+#: backward group (its ``t`` decomposes into ``permute``), so
+#: ``TBackward0`` has no point and a routine replacing ``AddmmBackward0``'s
+#: gradients does not reach the weight's (a Pruner masking gradients would
+#: leave linear weights unmasked without a word). Off, such calls run
+#: eagerly with an ``EagerFallbackWarning``, as for compilers amanda runs no
+#: AOTAutograd for; on, they compile with that mapping
+#: (docs/pytorch-compiled.md, "Backward points").
+INDUCTOR_BACKWARD = False
+
+
+def runs_aot_autograd(compiler):
+    """Whether amanda runs AOTAutograd for ``compiler`` (then the backward
+    graph runs outside eager's mode, with or without backward points)."""
     return _aot_kind(compiler) is not None
+
+
+def supports_backward(compiler):
+    """Whether amanda puts backward points in what ``compiler`` compiles
+    (inductor only with `INDUCTOR_BACKWARD`)."""
+    kind = _aot_kind(compiler)
+    return kind is not None and (kind != "inductor" or INDUCTOR_BACKWARD)
 
 
 def backward_compiler(compiler, session, lifted, plan):
