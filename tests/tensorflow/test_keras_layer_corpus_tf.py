@@ -291,7 +291,8 @@ INFERENCE = {name for name in CASES if name.startswith("Random")} | {
 # Cases that fail in a Session, with the reason (strict xfail: a change
 # makes them pass). A lookup table's contents live in the user's session,
 # which amanda's instrumented copy does not share: amanda refuses such a
-# run before anything runs (docs/tensorflow.md, Limits).
+# run before anything runs (docs/tensorflow.md, "State other than
+# variables is not carried").
 _TABLE = "a lookup table in a Session: amanda refuses the run (BackendError), documented"
 EXPECTED_FAILURES = {"IntegerLookup": _TABLE, "StringLookup": _TABLE, "TextVectorization": _TABLE}
 
