@@ -35,11 +35,13 @@ test: $(STAMP) test-core
 # The whole corpora of the sweeps that `make test` samples to stay within
 # CI's time: every onnx node-test case (7.4 minutes alone) and every Keras
 # application of the TF sweeps (identity, layers, and the training steps
-# with the update inside the function; the longest part)
+# with the update inside the function; the longest part), and every class
+# of Keras's layer corpus
 sweep: $(STAMP)
 	AMANDA_NODE_SWEEP_SAMPLE=1 $(BIN)/python -m pytest -q tests/onnx/test_node_sweep_onnx.py
 	AMANDA_KERAS_SWEEP=1 $(BIN)/python -m pytest -q tests/tensorflow/test_identity_sweep_tf.py \
-		tests/tensorflow/test_keras_layers_tf.py tests/tensorflow/test_training_step_tf.py
+		tests/tensorflow/test_keras_layers_tf.py tests/tensorflow/test_training_step_tf.py \
+		tests/tensorflow/test_keras_layer_corpus_tf.py
 
 # The framework-free tests (the IR, the passes and a toy backend, the
 # structure rules) in a venv of their own with amanda's core and the test
