@@ -85,8 +85,8 @@ ENABLED = True
 
 #: Compiled callables that ran eagerly inside ``apply`` because Dynamo would
 #: have run part of their code outside its graphs (a graph break, a frame it
-#: skips) or the tools asked for an action compiled graphs cannot carry yet
-#: (``replace_op``...): reason -> number of fallbacks (one per callable and reason; the
+#: skips) or the tools asked for an action compiled graphs cannot carry
+#: (an in-place op's ``replace_op``...): reason -> number of fallbacks (one per callable and reason; the
 #: callable then stays eager inside ``apply``). Read it to know which models
 #: did not run compiled; nothing in them was lost, they ran like eager.
 EAGER_FALLBACKS = collections.Counter()
@@ -501,9 +501,9 @@ class _WatchedFrames:
     """Dynamo's per-frame callback for amanda's compiled calls. Dynamo calls it
     for a frame that has no cached code; the frame has not started. If the code
     Dynamo makes for it would run anything outside its graphs, or the tools
-    asked for an action compiled graphs cannot carry yet (``replace_op``, an
-    after-routine on a multi-output op, a Python routine under
-    ``amanda.ad_enabled()``), that code is dropped (never cached, never run)
+    asked for an action compiled graphs cannot carry (``replace_op`` of an
+    in-place op, an after-routine that may replace the result of an op
+    returning None, a Python routine under ``amanda.ad_enabled()``), that code is dropped (never cached, never run)
     and the call falls back to eager before any of the frame runs: amanda's
     mode sees every op of it, as in eager."""
 
@@ -582,7 +582,7 @@ class InstrumentingBackend:
             except BackendError as error:
                 if breaks is None:
                     raise          # not under amanda's frame callback: say it
-                # an action compiled graphs cannot carry yet (replace_op...): the
+                # an action compiled graphs cannot carry (an in-place op's replace_op...): the
                 # frame's code is dropped and the call runs eagerly (_WatchedFrames)
                 _tls.unsupported = str(error)
                 return gm.forward

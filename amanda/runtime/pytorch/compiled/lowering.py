@@ -9,7 +9,10 @@ routines (`amanda.portable.routine`) are called inside the graph and traced
 by the compiler like model code. Before-routines take the op's tensor
 arguments; after-routines its outputs as eager's after-point has them (the
 tensor, the tensors of a tuple result, or the first argument of an in-place
-op that returns None).
+op that returns None). A ``replace_op`` routine takes the op's place in the
+graph (`_insert_replacement`): a Python one as ``amanda::replace_op`` on
+detached inputs, a portable one traced without autograd unless recorded
+under ``amanda.ad_enabled()``.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import operator
 import torch
 import torch.fx
 
+from amanda import controls
 from amanda.context import Action
 from amanda.errors import BackendError
 from amanda.runtime.pytorch.compiled.graphs import NAMESPACE, _tensor_args, _value
-from amanda.runtime.routines import call_routine
+from amanda.runtime.routines import call_routine, invoke
 
 _ROUTINES = []    # handle -> _Routine, for the custom ops
 
@@ -108,6 +112,10 @@ def _custom_ops():
             return None, list(grads)        # straight-through: the routine is no model code
 
         replace.register_autograd(backward)
+        replace_op = torch.library.custom_op("amanda::replace_op", mutates_args=(),
+                                             tags=tags)(_replace_op_impl)
+        replace_op.register_fake(_replace_op_fake)
+        _OPS["replace_op"] = torch.ops.amanda.replace_op.default
         _OPS["observe"] = torch.ops.amanda.observe.default
         _OPS["replace"] = torch.ops.amanda.replace.default
     return _OPS
@@ -253,9 +261,7 @@ def insert_actions(gm, lifted, plan):
         node = lifted.nodes[name]
         where = (entry.op.type, lifted.op_ids[name], NAMESPACE)
         if entry.replace:
-            raise BackendError(f"replace_op on op {entry.op.type!r} (id {lifted.op_ids[name]}) is not "
-                               f"supported in compiled graphs yet [namespace {NAMESPACE}]; run the model "
-                               "with torch.compiler.set_stance('force_eager')")
+            _check_replaceable(node, where)
         for action in entry.before:
             inputs = _tensor_args(node)
             chosen = _selected(inputs, action, where)
@@ -265,6 +271,8 @@ def insert_actions(gm, lifted, plan):
                 mapping = dict(zip(chosen, new))
                 node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
+        if entry.replace:
+            node = _insert_replacement(graph, node, entry.replace[0], where)
         if entry.after:
             _insert_after(graph, node, entry.after, where)
     graph.lint()
@@ -325,6 +333,159 @@ def _insert_after(graph, node, actions, where):
                     if not old.users:
                         graph.erase_node(old)
                 cursors[i], olds[i] = mapping[cursor], []
+
+
+# -- replace_op ---------------------------------------------------------------------------------
+
+def _writes_in_place(node):
+    """Whether ``node`` may modify its first argument (the rule of the
+    analysis run's `_mutated_roots`: a name ending in ``_``,
+    ``inplace=True``, an augmented or item assignment)."""
+    from amanda.runtime.pytorch.compiled.probe import _AUGMENTED
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return ((name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+            or name.strip("_") in _AUGMENTED)
+
+
+def _check_replaceable(node, where):
+    """Raises `BackendError` (the call then runs eagerly, loudly) for an op
+    whose ``replace_op`` a compiled graph cannot carry: an op that writes
+    into its first argument (eagerly the routine runs instead, so the
+    argument keeps its values while the op's result is the routine's; the
+    graph has one node for both the write and the result, and what reads
+    the written tensor later reads that node or an alias of it, which the
+    graph does not tell apart), an op whose result is not a tensor or a
+    tuple of tensors, a tuple result read otherwise than by indexing."""
+    value = _value(node)
+    if _writes_in_place(node) or value is None:
+        raise BackendError(f"replace_op on op {where[0]!r} (id {where[1]}), which writes into its "
+                           f"argument, is not supported in compiled graphs [namespace {NAMESPACE}]")
+    if isinstance(value, torch.Tensor):
+        return
+    if not isinstance(value, (tuple, list)) or not value or not all(
+            isinstance(v, torch.Tensor) for v in value) or any(
+            u.target is not operator.getitem for u in node.users):
+        raise BackendError(f"replace_op on op {where[0]!r} (id {where[1]}), whose result is not a "
+                           "tensor or a tuple of tensors read by index, is not supported in compiled "
+                           f"graphs [namespace {NAMESPACE}]")
+
+
+def _static_layouts(outputs, where):
+    """(shape, stride, dtype, device) of each output, all sizes and strides
+    known numbers: what ``amanda::replace_op`` tells the compiler it returns.
+    A symbolic size (dynamic shapes) is refused (`BackendError`)."""
+    layouts = []
+    for value in outputs:
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(n) is int for n in shape + stride):
+            raise BackendError(f"replace_op with a Python routine on op {where[0]!r} (id {where[1]}) "
+                               "of symbolic shape (dynamic shapes) is not supported in compiled "
+                               f"graphs [namespace {NAMESPACE}]")
+        layouts.append((shape, stride, value.dtype, value.device))
+    return layouts
+
+
+class _Replacement:
+    """A Python ``replace_op`` routine, called by ``amanda::replace_op`` in
+    place of the op: it receives the selected inputs (detached in the graph:
+    no autograd history, as eager's ``no_grad`` gives its results), its
+    result is checked as eagerly (`_check_replacement`: a tensor for a
+    one-output op, else as many tensors, each of the op's shape and dtype)
+    and copied into the layout the op's output has in the graph (a custom
+    op's results are new tensors, of the layout its fake implementation
+    gave the compiler)."""
+
+    def __init__(self, action, where, spec, layouts):
+        self.action = action
+        self.where = where
+        self.spec = spec
+        self.layouts = layouts
+        self.__name__ = f"amanda_{getattr(action.func, '__name__', 'routine')}"
+
+    def __call__(self, tensors):
+        from amanda.runtime.pytorch.eager.routines import _check_replacement
+        with controls.muted(), torch.no_grad():
+            result = invoke(self.action, list(tensors), self.where)
+        result = _check_replacement(self.action, result, self.spec, self.where)
+        results = [result] if isinstance(self.spec, tuple) else list(result)
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(value)
+                for value, (shape, stride, dtype, device) in zip(results, self.layouts)]
+
+
+def _replace_op_impl(handle: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _ROUTINES[handle](tensors)
+
+
+def _replace_op_fake(handle, tensors):
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype, device in _ROUTINES[handle].layouts]
+
+
+def _portable_replacement(action, where, count, names, spec):
+    """The function a portable ``replace_op`` routine's node calls (traced
+    by the compiler like model code): its first ``count`` arguments are the
+    op's selected inputs, the rest the tensors of the routine's keyword
+    arguments ``names`` (`_constants`). Outside ``amanda.ad_enabled()`` it
+    runs without autograd, as eagerly: its results have no history unless
+    it hands back an input as it is. Returns a tuple of the outputs."""
+    from amanda.runtime.pytorch.eager.routines import _check_replacement
+
+    def call(*args):
+        tensors = list(args[:count])
+        chosen = action
+        if names:
+            chosen = Action(action.kind, action.func, action.positions,
+                            {**action.kwargs, **dict(zip(names, args[count:]))}, action.ad, action.tool)
+        with controls.muted(), torch.set_grad_enabled(torch.is_grad_enabled() and action.ad):
+            result = invoke(chosen, tensors, where)
+        result = _check_replacement(chosen, result, spec, where)
+        return (result,) if isinstance(spec, tuple) else tuple(result)
+    call.__name__ = f"amanda_{getattr(action.func, '__name__', 'routine')}"
+    return call
+
+
+def _insert_replacement(graph, node, action, where):
+    """Puts a ``replace_op`` routine in place of ``node``, on the op's tensor
+    arguments as the before-routines left them; returns the node standing
+    for the op's result (the routine's output, or a ``tuple`` of its
+    outputs for an op with several), which after-routines then see. The
+    op's node is erased: eagerly the op does not run."""
+    from amanda.portable import is_portable
+    from amanda.runtime.pytorch.eager.routines import _meta
+    value = _value(node)
+    single = isinstance(value, torch.Tensor)
+    outputs = [value] if single else list(value)
+    spec = _meta(value) if single else [_meta(v) for v in outputs]
+    selected = _selected(_tensor_args(node), action, where)
+    with graph.inserting_before(node):
+        if is_portable(action.func):
+            names, constants = _constants(graph, action)
+            call = graph.call_function(_portable_replacement(action, where, len(selected), names, spec),
+                                       tuple(selected) + tuple(constants))
+        else:
+            if action.ad:
+                raise BackendError(f"replace_op routine {getattr(action.func, '__name__', action.func)} "
+                                   f"of op {where[0]!r} was recorded under amanda.ad_enabled(), but "
+                                   "compiled graphs can differentiate portable routines only "
+                                   f"[namespace {NAMESPACE}]")
+            routine = _Replacement(action, where, spec, _static_layouts(outputs, where))
+            detached = []
+            for tensor in selected:
+                detached.append(graph.call_method("detach", (tensor,)))
+                detached[-1].meta["example_value"] = _value(tensor)
+            _ROUTINES.append(routine)
+            call = graph.call_function(_custom_ops()["replace_op"], (len(_ROUTINES) - 1, detached))
+        items = _items(graph, call, len(outputs))
+        for item, output in zip(items, outputs):
+            item.meta["example_value"] = output
+        if single:
+            result = items[0]
+        else:
+            result = graph.call_function(tuple, (items,))
+            result.meta["example_value"] = value
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return result
 
 
 def _position(graph):
