@@ -157,14 +157,42 @@ def _conv_program(backend):
     return model, run, data
 
 
+class Reuse(torch.nn.Module):
+    """A linear whose output four ops read (``benchmarks/compiled.py``'s
+    pointwise chain): its gradient is a sum of four."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return torch.relu(x * 1.5 + 0.25) - x.abs() * 0.5 + torch.clamp(x, -1, 1) * x
+
+
+def _reuse_program(backend):
+    """`Reuse` with an MSE loss, compiled together."""
+    torch.manual_seed(0)
+    model = Reuse()
+
+    def loss_of(x, y):
+        return torch.nn.functional.mse_loss(model(x), y)
+    run = torch.compile(loss_of, backend=backend) if backend else loss_of
+    torch.manual_seed(1)
+    data = (torch.randn(6, 8), torch.randn(6, 8))
+    return model, run, data
+
+
 PROGRAMS = {"mlp": _mlp_program, "conv": _conv_program}
+#: programs a few tests run besides PROGRAMS
+MORE_PROGRAMS = {"reuse": _reuse_program}
 
 
 def _train(program, backend, tool, steps=2):
     """Runs ``steps`` SGD steps inside ``apply(tool)`` (no tool: outside
     amanda); returns the model and the gradients of the last step. An
     eager fallback is an error."""
-    model, run, (x, y) = PROGRAMS[program](backend)
+    model, run, (x, y) = {**PROGRAMS, **MORE_PROGRAMS}[program](backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fallbacks = copy.copy(pytorch_compiled.EAGER_FALLBACKS)
     with warnings.catch_warnings():
@@ -212,6 +240,41 @@ def test_counting_tool_sees_eagers_backward_points_and_values(program):
         assert len(got) == len(seen)
         for mine, theirs in zip(got, seen):
             assert len(mine) == len(theirs), (eager.names[key], key[2])
+            assert all(_same(a, b) for a, b in zip(mine, theirs)), (eager.names[key], key[2])
+    assert _same_parameters(compiled_model, eager_model)
+
+
+#: backward ops eager has that AOTAutograd's backward graph has no node
+#: for: they hand their incoming gradient on unchanged (a known gap)
+_PASS_THROUGH = {"AddBackward0"}
+
+
+def test_sums_of_gradients_belong_to_no_backward_op():
+    """A value read by four ops: AOTAutograd tagged the sums of its
+    gradients with the loss' ``seq_nr``, they were put in the loss' group,
+    and its points read gradients they made themselves (a cycle: the
+    backward graph could not be ordered, every tool with backward routines
+    failed on benchmarks/compiled.py's model). The counting tool's
+    executions and values and the parameters are eager's, bit for bit,
+    except the known gap: the backward ops that pass their gradient on
+    unchanged (``AddBackward0`` of ``a + b`` and ``x + 0.25``) have no
+    node in AOTAutograd's backward graph, so no points (docs/pytorch-compiled.md,
+    "What is left")."""
+    eager, compiled = CountBackward(), CountBackward()
+    eager_model, _ = _train("reuse", None, eager)
+    compiled_model, _ = _train("reuse", "aot_eager", compiled)
+    missing = {eager.names[k][1] for k in set(eager.executions) - set(compiled.executions)}
+    assert missing == _PASS_THROUGH
+    assert set(compiled.executions) <= set(eager.executions)
+    assert all(compiled.executions[k] == eager.executions[k] for k in compiled.executions)
+    assert {n[1] for n in compiled.names.values()} >= {"MseLossBackward0", "MulBackward0",
+                                                        "AbsBackward0", "ClampBackward1"}
+    # the after-points' values: not yet (a pass-through slot is None, and
+    # a gradient flowing into a pass-through op is not matched to its slot)
+    for key in [k for k in compiled.values if k[2] == "before"]:
+        got, seen = compiled.values[key], eager.values[key]
+        assert len(got) == len(seen)
+        for mine, theirs in zip(got, seen):
             assert all(_same(a, b) for a, b in zip(mine, theirs)), (eager.names[key], key[2])
     assert _same_parameters(compiled_model, eager_model)
 

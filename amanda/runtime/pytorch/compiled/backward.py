@@ -451,11 +451,7 @@ def _insert_points(gm, joint):
     nodes = list(graph.nodes)
     output = nodes[-1]
     grads = _gradients(nodes)
-    groups = {}
-    for node in nodes:
-        seq = node.meta.get("seq_nr")
-        if node.op == "call_function" and seq in joint.ops:
-            groups.setdefault(seq, []).append(node)
+    groups = _groups(nodes, joint, grads)
     group_of = {n: seq for seq, members in groups.items() for n in members}
     counts = {}
     # eager names a node by its occurrence among its op's nodes of one kind,
@@ -479,6 +475,33 @@ def _insert_points(gm, joint):
     _stable_sort(graph)
     graph.lint()
     gm.recompile()
+
+
+def _groups(nodes, joint, grads):
+    """``seq_nr`` -> the nodes of that forward op's backward group, in graph
+    order. **Rule:** a gradient node is no member of group ``s`` when it
+    is made from a gradient that a group of a lower ``seq_nr`` produced:
+    gradients flow from later ops to earlier ones, so group ``s`` runs
+    before every such group and cannot read what they make. Such nodes are
+    the sums of the gradients of a value read by several ops, which
+    AOTAutograd may tag with the ``seq_nr`` of another op (the loss' in a
+    training step where a value is read four times: the sums were put in
+    the loss' group, whose points then read gradients they produce
+    themselves, a cycle no order of the graph could run)."""
+    groups, group_of, lowest = {}, {}, {}
+    for node in nodes:
+        seq = node.meta.get("seq_nr")
+        made = None
+        if node in grads:
+            found = [group_of.get(a, lowest.get(a)) for a in node.all_input_nodes if a in grads]
+            found = [f for f in found if f is not None]
+            made = min(found) if found else None
+        if node.op == "call_function" and seq in joint.ops and (made is None or made >= seq):
+            groups.setdefault(seq, []).append(node)
+            group_of[node] = seq
+        elif made is not None:
+            lowest[node] = made
+    return groups
 
 
 def _stable_sort(graph):

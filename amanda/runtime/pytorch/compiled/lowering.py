@@ -138,8 +138,10 @@ def _portable_call(routine, count, names):
             new = routine(given)
         if new is None:
             return tuple(tensors)
-        return tuple(old if v is None else (v if routine.action.ad else _straight(old, v))
-                     for old, v in zip(tensors, new))
+        # a tensor handed back as it was given keeps the original (no
+        # straight-through arithmetic for the compiler to trace)
+        return tuple(old if v is None or v is g else (v if routine.action.ad else _straight(old, v))
+                     for old, g, v in zip(tensors, given, new))
     call.__name__ = routine.__name__
     return call
 
