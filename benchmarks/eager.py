@@ -27,6 +27,7 @@ one step (counted by a fresh ``AnalysisOnlyTool``).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -40,6 +41,8 @@ from benchmarks import harness
 
 NAME = "eager"
 BASELINE = "vanilla"
+#: where the models run: ``AMANDA_BENCH_DEVICE=cuda`` (benchmarks/gpu.sh) or the CPU
+DEVICE = os.environ.get("AMANDA_BENCH_DEVICE", "cpu")
 CONFIG_NAMES = ("vanilla", "analysis-only", "identity", "module hooks", "dispatch mode",
                 "FlopCounterMode", "function mode")
 
@@ -109,6 +112,17 @@ def training_step(model, inputs):
     output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
     first_tensor(output).sum().backward()
     model.zero_grad(set_to_none=True)
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()      # the step's kernels are part of its time
+
+
+def _to_device(model, inputs):
+    """The model and its inputs on `DEVICE`."""
+    if isinstance(inputs, dict):
+        inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    else:
+        inputs = inputs.to(DEVICE)
+    return model.to(DEVICE), inputs
 
 
 def count_points(model, inputs):
@@ -181,7 +195,7 @@ def make_configs(model):
 def benchmark_model(spec, repeats, warmup=2):
     """Benchmark one model in every configuration; return its raw result."""
     torch.manual_seed(0)
-    model, inputs = spec.build()
+    model, inputs = _to_device(*spec.build())
     model.eval()
     points = count_points(model, inputs)
     configs = make_configs(model)
@@ -276,7 +290,11 @@ def render(results, machine):
 
 def machine():
     """Machine description plus the torch build and its thread count."""
-    return harness.machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    info = harness.machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                                device=DEVICE)
+    if DEVICE.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(DEVICE))
+    return info
 
 
 def run(repeats=None, quick=False, specs=MODELS, log=print):
