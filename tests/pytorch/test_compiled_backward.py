@@ -466,3 +466,68 @@ def test_inductor_counts_and_training_follow_the_documented_mapping(monkeypatch)
     masked_eager, _ = _train("conv", None, MaskGradients())
     masked, _ = _train("conv", "inductor", MaskGradients())
     assert _same_parameters(masked, masked_eager, exact=False)
+
+
+# -- idle points leave the graph (aot_eager) --------------------------------------------------
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every op dispatched (the backward graph's too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountRelu(amanda.Tool):
+    """Observes the gradient into every ``ReluBackward0`` (nothing else)."""
+
+    def __init__(self):
+        super().__init__()
+        self.executions = collections.Counter()
+        self.add_inst_for_op(self.analysis, backward=True)
+
+    def analysis(self, context):
+        if context.get_backward_op().name() == "ReluBackward0":
+            context.insert_before_backward_op(self.seen, key=context.get_backward_op_id())
+
+    def seen(self, grad, key):
+        self.executions[key] += 1
+
+
+def _points_per_step(tool, steps=3):
+    """The amanda point ops each backward of ``steps`` MLP steps ran (aot_eager)."""
+    model, run, (x, y) = _mlp_program("aot_eager")
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amanda.EagerFallbackWarning)
+        for _ in range(steps):
+            with amanda.apply(tool):
+                loss = run(x, y)
+                with _OpNames() as names:
+                    loss.backward()
+            seen.append({k: v for k, v in names.names.items() if k.startswith("amanda.")})
+    return seen
+
+
+def test_idle_points_leave_the_backward_graph_after_their_analysis():
+    """After the first backward, every point whose analysis recorded no
+    action is taken out and an observing one passes no gradient
+    (`backward._Slimmer`): analysis only leaves no amanda op in the
+    backward graph, an observer of ``ReluBackward0`` one
+    ``amanda::backward_observe`` and no copying point; the observer still
+    runs at every step, as eagerly."""
+    from amanda.tools.identity import AnalysisOnlyTool
+    first, *later = _points_per_step(AnalysisOnlyTool())
+    assert first.get("amanda.backward_point", 0) > 10
+    assert all(step == {} for step in later)
+    tool = CountRelu()
+    first, *later = _points_per_step(tool)
+    assert first.get("amanda.backward_point", 0) > 10
+    assert all(step == {"amanda.backward_observe": 1} for step in later)
+    eager = CountRelu()
+    _train("mlp", None, eager, steps=3)
+    assert tool.executions == eager.executions and sum(eager.executions.values()) == 3

@@ -37,6 +37,7 @@ differentiated again).
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -152,7 +153,7 @@ def backward_compiler(compiler, session, lifted, plan):
         if kind == "aot_eager":
             from torch._dynamo.backends.debugging import boxed_nop
             return compiler(gm, example_inputs, fw_compiler=joint.forward(boxed_nop),
-                            bw_compiler=joint.backward(boxed_nop), **kwargs)
+                            bw_compiler=joint.backward(boxed_nop, slims=True), **kwargs)
         from torch._dynamo.backends.common import AotAutograd
         options = dict(compiler.kwargs)
         fw = options["fw_compiler"]
@@ -226,12 +227,19 @@ class _Joint:
             return inner(gm, example_inputs, *args, **kwargs)
         return fw_compiler
 
-    def backward(self, inner):
+    def backward(self, inner, slims=False):
+        """``slims``: compiling again is free (``boxed_nop``), so the graph
+        is compiled again without its idle points once they are known
+        (`_Slimmer`); another compiler (a user's ``aot_autograd(...)``
+        backward compiler) gets the graph once, as it expects."""
         def bw_compiler(gm, example_inputs, *args, **kwargs):
             _insert_points(gm, self)
-            with _eager_mode_out():     # compiled at the first backward
-                compiled = inner(_eager_graph_module(gm), example_inputs, *args, **kwargs)
-            return _OutsideEagerMode(compiled)
+
+            def compile_graph(module):
+                with _eager_mode_out():     # compiled at the first backward
+                    return inner(_eager_graph_module(module), example_inputs, *args, **kwargs)
+            slimmer = _Slimmer(gm, compile_graph) if slims else None
+            return _OutsideEagerMode(compile_graph(gm), slimmer)
         return bw_compiler
 
 
@@ -245,8 +253,9 @@ class _OutsideEagerMode:
     Everything else of the compiled callable (its attributes, the boxed
     calling convention) is the compiler's."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, slimmer=None):
         self.compiled = compiled
+        self.slimmer = slimmer
         if getattr(compiled, "_boxed_call", False):
             # in the instance's dict: Dynamo's disable() wraps the compiled
             # backward with functools.wraps, which copies the dict only
@@ -257,7 +266,76 @@ class _OutsideEagerMode:
 
     def __call__(self, *args, **kwargs):
         with _eager_mode_out():
-            return self.compiled(*args, **kwargs)
+            result = self.compiled(*args, **kwargs)
+        if self.slimmer is not None:
+            slim = self.slimmer()
+            if slim is not None:
+                self.slimmer = None
+                if slim is not False:
+                    self.compiled = slim
+        return result
+
+
+class _Slimmer:
+    """**Rule: once every point of a backward graph has run its analysis,
+    the graph is compiled again without the idle points** (``aot_eager``):
+    a point whose side recorded no action is taken out (its gradients go
+    straight on), and a point whose actions only observe (every routine's
+    ``return`` returns None, read from its bytecode) becomes
+    ``amanda::backward_observe``, which reads the gradients and passes
+    nothing: a custom op's results may not alias its arguments, so a
+    point copies every gradient it passes, and a tool with routines on a
+    few backward ops (a counter of matmuls, a pruner's gradient masks)
+    copied every gradient of the step. The analysis is cached (an op's
+    actions never change after it ran), so the slim graph runs the same
+    routines on the same values. Called after every run of the graph
+    until it is ready (a point that has not run, e.g. while its session
+    was not applied, keeps the full graph); returns the new compiled
+    graph, False when nothing changes (or a step failed: the full graph
+    stays), or None when not ready."""
+
+    def __init__(self, gm, compile_graph):
+        self.gm = gm
+        self.compile_graph = compile_graph
+        point = _custom_ops()["point"]
+        self.nodes = [(n, _POINTS[n.args[0]], n.args[1]) for n in gm.graph.nodes
+                      if n.op == "call_function" and n.target is point]
+
+    def __call__(self):
+        from amanda.runtime.routines import returns_only_none
+        for _, point, side in self.nodes:
+            if not (point.post_done if side else point.pre_done):
+                return None
+        if not self.nodes:
+            return False
+        memo = {}
+        graph = torch.fx.Graph()
+        graph._codegen = copy.deepcopy(self.gm.graph._codegen)
+        graph.output(graph.graph_copy(self.gm.graph, memo))
+        changed = False
+        for node, point, side in self.nodes:
+            actions = point.after + point.replace if side else point.before
+            if actions and (point.replace or not all(returns_only_none(a.func) for a in actions)):
+                continue
+            call = memo[node]
+            if actions:
+                with graph.inserting_before(call):
+                    graph.call_function(_custom_ops()["observe"], call.args)
+            passed = [v for v in (call.args[3] if side else call.args[2]) if v is not None]
+            for user in list(call.users):
+                user.replace_all_uses_with(passed[user.args[1]])
+                graph.erase_node(user)
+            graph.erase_node(call)
+            changed = True
+        if not changed:
+            return False
+        try:
+            graph.lint()
+            module = torch.fx.GraphModule(self.gm, graph)
+            module.meta = dict(getattr(self.gm, "meta", {}))
+            return self.compile_graph(module)
+        except Exception:   # noqa: BLE001 - the full graph is correct, only slower
+            return False
 
 
 class _eager_mode_out:
@@ -826,6 +904,18 @@ def _op_type(lifted, op):
     return op
 
 
+def _observe_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
+                  grad_inputs: list[torch.Tensor | None]) -> None:
+    """A point whose actions only observe (`_Slimmer`): the routines run on
+    the gradients, nothing is passed on."""
+    record = _POINTS[handle]
+    with torch.no_grad():
+        if point == 0:
+            record.run_before(grad_outputs)
+        else:
+            record.run_after(grad_outputs, grad_inputs)
+
+
 def _point_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
                 grad_inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
     record = _POINTS[handle]
@@ -863,4 +953,9 @@ def _custom_ops():
 
         torch.fx.node.has_side_effect(torch.ops.amanda.backward_point.default)
         _OPS["point"] = torch.ops.amanda.backward_point.default
+        observe = torch.library.custom_op("amanda::backward_observe", mutates_args=(),
+                                          tags=tags)(_observe_impl)
+        observe.register_fake(lambda handle, point, grad_outputs, grad_inputs: None)
+        torch.fx.node.has_side_effect(torch.ops.amanda.backward_observe.default)
+        _OPS["observe"] = torch.ops.amanda.backward_observe.default
     return _OPS
