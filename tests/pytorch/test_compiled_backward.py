@@ -531,3 +531,7 @@ def test_idle_points_leave_the_backward_graph_after_their_analysis():
     eager = CountRelu()
     _train("mlp", None, eager, steps=3)
     assert tool.executions == eager.executions and sum(eager.executions.values()) == 3
+    # routines that replace (new copies at every point): plain calls, no copying op
+    first, *later = _points_per_step(Identity())
+    assert first.get("amanda.backward_point", 0) > 10
+    assert all("amanda.backward_point" not in step for step in later)

@@ -280,10 +280,12 @@ class _Slimmer:
     """**Rule: once every point of a backward graph has run its analysis,
     the graph is compiled again without the idle points** (``aot_eager``):
     a point whose side recorded no action is taken out (its gradients go
-    straight on), and a point whose actions only observe (every routine's
+    straight on), a point whose actions only observe (every routine's
     ``return`` returns None, read from its bytecode) becomes
     ``amanda::backward_observe``, which reads the gradients and passes
-    nothing: a custom op's results may not alias its arguments, so a
+    nothing, and any other becomes a plain Python call that hands on what
+    its routines return (`_passing_point`: ``boxed_nop`` runs the graph
+    as Python). A custom op's results may not alias its arguments, so a
     point copies every gradient it passes, and a tool with routines on a
     few backward ops (a counter of matmuls, a pruner's gradient masks)
     copied every gradient of the step. The analysis is cached (an op's
@@ -315,9 +317,11 @@ class _Slimmer:
         changed = False
         for node, point, side in self.nodes:
             actions = point.after + point.replace if side else point.before
-            if actions and (point.replace or not all(returns_only_none(a.func) for a in actions)):
-                continue
             call = memo[node]
+            if actions and (point.replace or not all(returns_only_none(a.func) for a in actions)):
+                call.target = _passing_point      # a Python call: no copies
+                changed = True
+                continue
             if actions:
                 with graph.inserting_before(call):
                     graph.call_function(_custom_ops()["observe"], call.args)
@@ -902,6 +906,20 @@ def _op_type(lifted, op):
         if ir_op.name == op:
             return ir_op.type
     return op
+
+
+def _passing_point(handle, point, grad_outputs, grad_inputs):
+    """A point whose routines may replace gradients, in a slim graph
+    (`_Slimmer`): ``boxed_nop`` runs the graph as Python, so the point is
+    a plain call that hands on what the routines return (or the gradients
+    themselves), as eagerly, without the copies a custom op must make."""
+    record = _POINTS[handle]
+    with torch.no_grad():
+        if point == 0:
+            old, new = grad_outputs, record.run_before(grad_outputs)
+        else:
+            old, new = grad_inputs, record.run_after(grad_outputs, grad_inputs)
+    return [o if n is None else n for o, n in zip(old, new) if o is not None]
 
 
 def _observe_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
