@@ -244,39 +244,66 @@ def test_counting_tool_sees_eagers_backward_points_and_values(program):
     assert _same_parameters(compiled_model, eager_model)
 
 
-#: backward ops eager has that AOTAutograd's backward graph has no node
-#: for: they hand their incoming gradient on unchanged (a known gap)
-_PASS_THROUGH = {"AddBackward0"}
-
-
-def test_sums_of_gradients_belong_to_no_backward_op():
-    """A value read by four ops: AOTAutograd tagged the sums of its
-    gradients with the loss' ``seq_nr``, they were put in the loss' group,
-    and its points read gradients they made themselves (a cycle: the
-    backward graph could not be ordered, every tool with backward routines
-    failed on benchmarks/compiled.py's model). The counting tool's
-    executions and values and the parameters are eager's, bit for bit,
-    except the known gap: the backward ops that pass their gradient on
-    unchanged (``AddBackward0`` of ``a + b`` and ``x + 0.25``) have no
-    node in AOTAutograd's backward graph, so no points (docs/pytorch-compiled.md,
-    "What is left")."""
+def test_sums_of_gradients_and_pass_through_ops_have_eagers_points():
+    """A value read by four ops, and ops that hand their gradient on
+    unchanged. AOTAutograd tagged the sums of the value's gradients with
+    the loss' ``seq_nr``, they were put in the loss' group, and its points
+    read gradients they made themselves (a cycle: the backward graph could
+    not be ordered, every tool with backward routines failed on
+    benchmarks/compiled.py's model). ``AddBackward0`` (``a + b``, ``x +
+    0.25``) has no node in the backward graph and had no points, the
+    pass-through side of ``SubBackward0`` had None for its gradient, and
+    the loss' gradient was not matched to its slot. Now the counting
+    tool's executions and values (before and after every backward op) and
+    the parameters are eager's, bit for bit."""
     eager, compiled = CountBackward(), CountBackward()
     eager_model, _ = _train("reuse", None, eager)
     compiled_model, _ = _train("reuse", "aot_eager", compiled)
-    missing = {eager.names[k][1] for k in set(eager.executions) - set(compiled.executions)}
-    assert missing == _PASS_THROUGH
-    assert set(compiled.executions) <= set(eager.executions)
-    assert all(compiled.executions[k] == eager.executions[k] for k in compiled.executions)
-    assert {n[1] for n in compiled.names.values()} >= {"MseLossBackward0", "MulBackward0",
-                                                        "AbsBackward0", "ClampBackward1"}
-    # the after-points' values: not yet (a pass-through slot is None, and
-    # a gradient flowing into a pass-through op is not matched to its slot)
-    for key in [k for k in compiled.values if k[2] == "before"]:
-        got, seen = compiled.values[key], eager.values[key]
+    assert compiled.executions == eager.executions
+    assert compiled.names == eager.names
+    assert {n[1] for n in eager.names.values()} >= {"MseLossBackward0", "MulBackward0", "AddBackward0",
+                                                    "SubBackward0", "AbsBackward0", "ClampBackward1"}
+    for key, seen in eager.values.items():
+        got = compiled.values[key]
         assert len(got) == len(seen)
         for mine, theirs in zip(got, seen):
+            assert len(mine) == len(theirs), (eager.names[key], key[2])
             assert all(_same(a, b) for a, b in zip(mine, theirs)), (eager.names[key], key[2])
     assert _same_parameters(compiled_model, eager_model)
+
+
+@pytest.mark.parametrize("program", sorted(MORE_PROGRAMS))
+def test_masked_gradients_through_pass_through_ops(program):
+    """A routine replacing the gradient into every ``AddBackward0`` (a
+    backward op of no node) changes what flows on, as eagerly."""
+    eager_model, eager_grads = _train(program, None, MaskAdds())
+    model, grads = _train(program, "aot_eager", MaskAdds())
+    vanilla_model, _ = _train(program, "aot_eager", None)
+    assert all(_same(a, b) for a, b in zip(grads, eager_grads))
+    assert _same_parameters(model, eager_model)
+    assert not _same_parameters(model, vanilla_model)
+
+
+class MaskAdds(amanda.Tool):
+    """Halves the gradient flowing into every ``AddBackward0``, and doubles
+    its second produced gradient where it has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.analysis, backward=True)
+
+    def analysis(self, context):
+        if context.get_backward_op().name() == "AddBackward0":
+            context.insert_before_backward_op(_halved)
+            context.insert_after_backward_op(_doubled_second)
+
+
+def _halved(grad):
+    return grad * 0.5
+
+
+def _doubled_second(*grads):
+    return [None if i != 1 or g is None else g * 2 for i, g in enumerate(grads)]
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))

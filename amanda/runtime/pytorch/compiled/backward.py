@@ -219,6 +219,7 @@ class _Joint:
         self.made_by = {}      # value a lifted op's aten op made -> its seq_nr
         self.kinds = {}        # call -> target's name
         self.inputs = {}       # call -> its tensor inputs
+        self.fw_outputs = []   # the forward graph's outputs (the first ones have tangents)
         self.read = False
 
     def forward(self, inner):
@@ -402,6 +403,8 @@ def _read_forward(gm, joint):
         return        # no points: the backward graph only runs outside eager's mode
     joint.read = True
     nodes = list(gm.graph.nodes)
+    joint.fw_outputs = [a.name if isinstance(a, torch.fx.Node) else None
+                        for a in nodes[-1].args[0]]
     joint.primal_positions = {n.name: i for i, n in enumerate(n for n in nodes
                                                              if n.op == "placeholder")}
     by_seq = {}
@@ -536,23 +539,34 @@ def _insert_points(gm, joint):
     groups = _groups(nodes, joint, grads)
     group_of = {n: seq for seq, members in groups.items() for n in members}
     counts = {}
+    reach = _Reach(joint)
+    flows = _Flows(graph, output, joint, group_of)
     # eager names a node by its occurrence among its op's nodes of one kind,
     # met walking from the op's outputs: the latest made first. Gradients
     # flow from later ops to earlier ones, so a group is wired after the
-    # groups whose gradients it receives (through their after-points).
-    for seq in sorted(groups, reverse=True):
+    # groups whose gradients it receives (through their after-points). An
+    # op with no group hands its gradient on unchanged (below).
+    for seq in sorted(joint.ops, reverse=True):
         fop = joint.ops[seq]
+        members = groups.get(seq, [])
+        if members:
+            incoming = _incoming(members, group_of, seq, grads)
+            produced = _produced(members, output, group_of, seq, grads)
+        else:
+            incoming, produced = flows.into(fop), []
+            if not incoming:
+                continue    # no gradient reaches it: eager makes no backward op either
         key = (fop.lifted, fop.node_name)
         index = counts.get(key, 0)
         counts[key] = index + 1
-        members = groups[seq]
-        incoming = _incoming(members, group_of, seq, grads)
-        produced = _produced(members, output, group_of, seq, grads)
         if not incoming and not produced:
             continue    # forward values a compiler recomputes: no gradient flows here
-        slots = _match(produced, fop, joint, output, group_of)
+        slots = _match(produced, fop, joint, output, group_of, reach)
+        passing = _passing(incoming, members, slots, fop, output, group_of, reach)
         point = _Point(joint, fop.lifted, fop.node_name, index)
-        grads.update(_wire(graph, point, members, incoming, slots, fop.grad_outputs))
+        passed, by_slot = _wire(graph, point, members, incoming, slots, fop.grad_outputs, passing)
+        grads.update(passed)
+        flows.note(fop, by_slot)
     _accumulations(graph, output, joint)
     _stable_sort(graph)
     graph.lint()
@@ -693,52 +707,205 @@ def _destination(joint, name, seen=None):
     return None
 
 
-def _match(produced, fop, joint, output, group_of):
+class _Reach:
+    """Where the gradient of a forward value may be read in the backward
+    graph: ``{destination: depth}``, its `_destination` at depth 0 and,
+    through the op whose group that is, the destinations of that op's
+    inputs one deeper: an op that hands its gradient on unchanged has no
+    node (``a + b``), so what reads the gradient of its output is the
+    group of the op that made one of its inputs, or further."""
+
+    def __init__(self, joint, limit=6):
+        self.joint = joint
+        self.limit = limit
+        self.memo = {}
+
+    def __call__(self, name):
+        if name is None:
+            return {}
+        found = self.memo.get(name)
+        if found is None:
+            found = self.memo[name] = self._walk(name)
+        return found
+
+    def _walk(self, name):
+        found, frontier = {}, [name]
+        for depth in range(self.limit):
+            following = []
+            for value in frontier:
+                where = _destination(self.joint, value)
+                if where is None or where in found:
+                    continue
+                found[where] = depth
+                if where[0] == "group" and where[1] in self.joint.ops:
+                    following.extend(v for v in self.joint.ops[where[1]].slots if v is not None)
+            frontier = following
+        return found
+
+
+def _best_slot(where, names, free, reach):
+    """The input (index into ``names``, among ``free``) whose gradient is
+    read at ``where`` nearest (`_Reach`), or None."""
+    best, depth = None, None
+    for i in free:
+        d = reach(names[i]).get(where)
+        if d is not None and (depth is None or d < depth):
+            best, depth = i, d
+    return best
+
+
+def _match(produced, fop, joint, output, group_of, reach):
     """The produced gradients in the order of the autograd node's inputs
     (None where it produces none), each matched to the input whose
-    gradient flows where it flows; gradients matched to no input follow."""
+    gradient is read nearest where it flows (`_Reach`: through ops that
+    hand gradients on unchanged); gradients matched to no input follow."""
     slots = [None] * len(fop.slots)
-    targets = [_destination(joint, name) if name is not None else None for name in fop.slots]
     extra = []
     for node in produced:
         where = _flows_to(node, output, group_of, group_of[node])
-        for i, target in enumerate(targets):
-            if slots[i] is None and target is not None and target == where:
-                slots[i] = node
-                break
-        else:
+        free = [i for i, n in enumerate(slots) if n is None]
+        best = _best_slot(where, fop.slots, free, reach) if where is not None else None
+        if best is None:
             extra.append(node)
+        else:
+            slots[best] = node
     return slots + extra
 
 
-def _wire(graph, point, members, incoming, slots, width):
+def _passing(incoming, members, slots, fop, output, group_of, reach):
+    """The inputs of the op whose gradient is an incoming one handed on
+    unchanged (``a + b``: both; ``a - b``: ``a``'s): ``[(reader, incoming
+    index, slot)]`` for each node outside the group that reads an incoming
+    gradient, matched to an input the group produces nothing for by where
+    the reader sends it (`_Reach`). Gradients flow from later ops to
+    earlier ones and each op is wired in turn, so what reads the gradient
+    of this op's output is this op's group or, unchanged, what reads its
+    inputs' gradients."""
+    point = _custom_ops()["point"]
+    free = [i for i in range(len(fop.slots)) if slots[i] is None and fop.slots[i] is not None]
+    found = []
+    if not free:
+        return found
+    for k, grad in enumerate(incoming):
+        for user in list(grad.users):
+            if user in members or user.target is point or user.target is operator.getitem:
+                continue
+            if user is output:
+                flat = output.args[0]
+                where = next((("output", i) for i, v in enumerate(flat) if v is grad), None)
+            elif user in group_of:
+                where = ("group", group_of[user])
+            else:
+                where = _flows_to(user, output, group_of, None)
+            slot = _best_slot(where, fop.slots, free, reach) if where is not None else None
+            if slot is not None:
+                found.append((user, k, slot))
+    return found
+
+
+class _Flows:
+    """The gradient of each forward value as the wiring makes it: what the
+    after-points hand on for it (``note``), summed where several ops read
+    the value, or the tangent of a graph output (``into``)."""
+
+    def __init__(self, graph, output, joint, group_of):
+        self.graph = graph
+        self.output = output
+        self.group_of = group_of
+        self.made = {}      # forward value name -> gradient nodes handed on for it
+        tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+        self.tangents = dict(zip(joint.fw_outputs, tangents))
+
+    def note(self, fop, by_slot):
+        for i, node in by_slot.items():
+            if i < len(fop.slots) and fop.slots[i] is not None:
+                self.made.setdefault(fop.slots[i], []).append(node)
+
+    def into(self, fop):
+        """[the gradient of ``fop``'s output], or [] when none flows."""
+        made = self.made.get(fop.name, [])
+        if not made:
+            tangent = self.tangents.get(fop.name)
+            return [tangent] if tangent is not None and tangent.users else []
+        if len(made) == 1:
+            return made
+        total = self._sum(made)
+        return [total] if total is not None else []
+
+    def _sum(self, nodes):
+        """The first node of no group that every one of ``nodes`` flows into
+        (the sum of the gradients of a value read by several ops)."""
+        point = _custom_ops()["point"]
+        reached = None
+        for node in nodes:
+            seen, queue = set(), [node]
+            while queue:
+                current = queue.pop()
+                for user in current.users:
+                    if user in seen or user in self.group_of or user is self.output \
+                            or user.target is point:
+                        continue
+                    seen.add(user)
+                    queue.append(user)
+            reached = seen if reached is None else reached & seen
+        if not reached:
+            return None
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return min(reached, key=order.__getitem__)
+
+
+def _wire(graph, point, members, incoming, slots, width, passing=()):
     """The point's two calls: before the group on its incoming gradients,
     after it on the gradients it produces (each replacing what it passes).
-    Returns the nodes of the gradients the calls pass on."""
+    ``passing`` (`_passing`): readers of an incoming gradient handed on
+    unchanged for an input, which get it from the after-point, as that
+    input's gradient (so a group of no node has its two points too).
+    Returns the nodes of the gradients the calls pass on and the
+    after-point's result per input slot."""
     ops = _custom_ops()
-    first = members[0]
     grad_outputs = list(incoming) + [None] * max(0, width - len(incoming))
     handle = _register(point)
     before = []
+    cursor = members[-1] if members else max(incoming, key=_position_in(graph))
     if incoming:     # also for after-routines only: they may record before-actions
-        with graph.inserting_before(first):
-            call = graph.call_function(ops["point"], (handle, 0, grad_outputs, []))
+        if members:
+            with graph.inserting_before(members[0]):
+                call = graph.call_function(ops["point"], (handle, 0, grad_outputs, []))
+        else:
+            with graph.inserting_after(cursor):
+                call = graph.call_function(ops["point"], (handle, 0, grad_outputs, []))
         news = before = _items(graph, call, len(incoming))
+        if not members:
+            cursor = news[-1]
         mapping = dict(zip(incoming, news))
         for node in members:
             node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
             node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
         grad_outputs = [mapping.get(n, n) if n is not None else None for n in grad_outputs]
+    slots = list(slots)
+    for _, k, slot in passing:
+        slots[slot] = before[k]
     produced = [n for n in slots if n is not None]
-    users = {n: [u for u in n.users if u not in members] for n in produced}
-    last = members[-1]
-    with graph.inserting_after(last):
+    users = {n: [u for u in n.users if u not in members] for n in produced if n not in before}
+    with graph.inserting_after(cursor):
         call = graph.call_function(ops["point"], (handle, 1, grad_outputs, list(slots)))
     news = _items(graph, call, len(produced))
+    by_slot, position = {}, 0
+    for i, node in enumerate(slots):
+        if node is not None:
+            by_slot[i] = news[position]
+            position += 1
     for node, new in zip(produced, news):
-        for user in users[node]:
+        for user in users.get(node, ()):
             user.replace_input_with(node, new)
-    return news + before
+    for user, k, slot in passing:
+        user.replace_input_with(incoming[k], by_slot[slot])
+    return news + before, by_slot
+
+
+def _position_in(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 def _accumulations(graph, output, joint):
