@@ -33,8 +33,8 @@ a tool is a reference row. Configurations:
 
 Each row has its ratio to the compiled baseline and to eager.
 Targets (issue 28): (a) ≤ 1.02×, (b) ≤ 1.15×, (c) ≤ 1.10× of compiled, (d)
-faster than eager. A model from transformers (a small GPT-2 with random
-weights) is left out: see ``_training``.
+faster than eager. Models: the PointwiseMLP (MSE loss) and a 2-layer GPT-2
+from a transformers config with random weights (``_gpt2``).
 
 ``AMANDA_BENCH_DEVICE=cuda`` runs the models on the GPU (each step ends
 with a synchronisation); the default is the CPU.
@@ -118,7 +118,6 @@ def run(repeats=None, quick=False, log=print):
     saved, pytorch_compiled.ENABLED = pytorch_compiled.ENABLED, True   # the compiled path (the default)
     try:
         markdown, raw = _run(repeats, quick, log)
-        torch._dynamo.reset()     # the training step's versions start a fresh recompile count
         train_markdown, raw["training"] = _training(repeats, quick, log)
         return markdown + "\n" + train_markdown, raw
     finally:
@@ -234,25 +233,67 @@ class CountBackwardMatmul(amanda.Tool):
         self.count += 1
 
 
-def _training(repeats=None, quick=False, log=print):
-    """The training rows (module docstring). Returns ``(markdown, raw)``.
+class _Workload:
+    """A model for the training rows: ``build()`` returns ``(model,
+    inputs, loss_of)`` where ``loss_of(*inputs)`` is the loss of one step
+    (forward and loss, the part that is compiled)."""
 
-    Left out: a small GPT-2 from a transformers config. Each configuration
-    is a compilation of its own (a vanilla one per backend, one per tool),
-    and on this 2-core shared CPU a 2-layer GPT-2 training step takes about
-    (measured by hand, see docs/pytorch-compiled.md) too long to compile
-    six times inside a suite that must stay short; the PointwiseMLP rows
-    measure what amanda adds per op."""
-    from amanda.runtime.pytorch import compiled as pytorch_compiled
-    log(f"[{NAME}] training, aot_eager (inductor: reference row), {DEVICE} ...")
-    torch.manual_seed(0)
+    def __init__(self, name, build, steps, quick_repeats=3, repeats=15):
+        self.name = name
+        self.build = build
+        self.steps = steps
+        self.quick_repeats = quick_repeats
+        self.repeats = repeats
+
+
+def _pointwise_mlp():
     model = PointwiseMLP().train().to(DEVICE)
     x = torch.randn(1024, 256, device=DEVICE)
     y = torch.randn(1024, 256, device=DEVICE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def loss_of(inputs, targets):
         return torch.nn.functional.mse_loss(model(inputs), targets)
+    return model, (x, y), loss_of
+
+
+def _gpt2():
+    """A 2-layer, 128-wide GPT-2 (random weights, dropout off so that every
+    configuration computes the same), ids (4, 64), the mean square of its
+    last hidden state as the loss. ``GPT2LMHeadModel`` with ``labels`` has
+    a graph break in its loss (Dynamo), which runs a callable eagerly
+    inside ``apply``, so the loss is taken here."""
+    from transformers import GPT2Config, GPT2Model
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2Model(config).train().to(DEVICE)
+    ids = torch.randint(0, config.vocab_size, (4, 64), device=DEVICE)
+
+    def loss_of(input_ids):
+        return model(input_ids=input_ids).last_hidden_state.pow(2).mean()
+    return model, (ids,), loss_of
+
+
+TRAIN_MODELS = (_Workload("PointwiseMLP", _pointwise_mlp, steps=3),
+                _Workload("GPT-2 2-layer", _gpt2, steps=3))
+
+
+def _training(repeats=None, quick=False, log=print, models=TRAIN_MODELS):
+    """The training rows (module docstring), one table per model. Returns
+    ``(markdown, raw)``."""
+    sections, raw = [], {}
+    for workload in models:
+        torch._dynamo.reset()     # each model's versions start a fresh recompile count
+        markdown, raw[workload.name] = _train_model(workload, repeats, quick, log)
+        sections.append(markdown)
+    return "\n".join(sections), raw
+
+
+def _train_model(workload, repeats=None, quick=False, log=print):
+    from amanda.runtime.pytorch import compiled as pytorch_compiled
+    log(f"[{NAME}] training {workload.name}, aot_eager (inductor: reference row), {DEVICE} ...")
+    torch.manual_seed(0)
+    model, inputs, loss_of = workload.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     runs = {"eager": loss_of, "aot_eager": torch.compile(loss_of, backend="aot_eager"),
             "inductor": torch.compile(loss_of)}
@@ -272,20 +313,20 @@ def _training(repeats=None, quick=False, log=print):
     configs = [harness.Config("compiled", using("aot_eager"))]
     configs += [harness.Config(name, using("aot_eager", tool)) for name, tool in tools.items()]
     configs += [harness.Config("inductor", using("inductor")), harness.Config("eager", using("eager"))]
-    steps = 3
+    steps = workload.steps
 
     def step():
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", amanda.EagerFallbackWarning)   # counted below
-                loss = target["run"](x, y)
+                loss = target["run"](*inputs)
                 loss.backward()
             optimizer.step()
         _sync()
 
     fallbacks = copy.copy(pytorch_compiled.EAGER_FALLBACKS)
-    repeats = repeats or (3 if quick else 15)
+    repeats = repeats or (workload.quick_repeats if quick else workload.repeats)
     start = harness.cpu_snapshot()
     times, failures = harness.interleaved_times(step, configs, repeats, warmup=1 if quick else 2,
                                                 cleanup=lambda: optimizer.zero_grad(set_to_none=True))
@@ -299,7 +340,7 @@ def _training(repeats=None, quick=False, log=print):
     for run in ("aot_eager", "eager"):
         tool = CountBackwardMatmul()
         with amanda.apply(tool):
-            runs[run](x, y).backward()
+            runs[run](*inputs).backward()
         optimizer.zero_grad(set_to_none=True)
         counts[run] = tool.count
     backends = {"compiled": "aot_eager", "inductor": "inductor", "eager": "none (eager)"}
@@ -308,13 +349,13 @@ def _training(repeats=None, quick=False, log=print):
            for name, limit in TRAIN_TARGETS.items()}
     met.update({name: name in summary and summary[name]["ratio_to_eager"] < 1.0
                 for name in TRAIN_BEAT_EAGER})
-    raw = {"device": DEVICE, "steps_per_sample": steps, "repeats": repeats, "configs": summary,
-           "failures": failures, "backends": backends, "targets": TRAIN_TARGETS,
-           "beat_eager": list(TRAIN_BEAT_EAGER), "targets_met": met,
+    raw = {"model": workload.name, "device": DEVICE, "steps_per_sample": steps, "repeats": repeats,
+           "configs": summary, "failures": failures, "backends": backends,
+           "targets": TRAIN_TARGETS, "beat_eager": list(TRAIN_BEAT_EAGER), "targets_met": met,
            "eager_fallbacks": new_fallbacks, "backward_matmuls_per_step": counts,
            "other_processes_cores": other_load}
-    lines = [f"## Compiled PyTorch, training step ({DEVICE})", "",
-             f"Forward + MSE loss compiled, backward, SGD step; {steps} steps per sample, "
+    lines = [f"## Compiled PyTorch, training step: {workload.name} ({DEVICE})", "",
+             f"Forward + loss compiled, backward, SGD step; {steps} steps per sample, "
              f"{repeats} interleaved samples per configuration, medians.", "",
              "| config | backend | median ms / step | × compiled | × eager | target | met |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -10,7 +10,7 @@
 # Results (<suite>.md, <suite>.json, the logs and the device) go to $OUT when
 # it is set, else to benchmarks/results/gpu. Without a CUDA GPU it says so and
 # exits 0. Each suite runs under a time limit (COMPILED_LIMIT, EAGER_LIMIT
-# seconds; 270 + 150 by default) so the whole script ends within 8 minutes;
+# seconds; 320 + 120 by default) so the whole script ends within 8 minutes;
 # a suite that hits its limit is reported and the script exits 1.
 # PYTHON selects the interpreter (default: python).
 set -u -o pipefail
@@ -42,7 +42,7 @@ run_suite() {   # name, time limit in seconds, extra options
         status=1
     fi
 }
-run_suite compiled "${COMPILED_LIMIT:-270}" "$@"
-run_suite eager "${EAGER_LIMIT:-150}" "$@"
+run_suite compiled "${COMPILED_LIMIT:-320}" "$@"
+run_suite eager "${EAGER_LIMIT:-120}" "$@"
 echo "results in $DEST"
 exit $status
