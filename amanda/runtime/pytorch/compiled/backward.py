@@ -548,15 +548,20 @@ def _insert_points(gm, joint):
     # op with no group hands its gradient on unchanged (below).
     for seq in sorted(joint.ops, reverse=True):
         fop = joint.ops[seq]
+        key = (fop.lifted, fop.node_name)
         members = groups.get(seq, [])
-        if members:
+        if any(n in grads for n in members):
             incoming = _incoming(members, group_of, seq, grads)
             produced = _produced(members, output, group_of, seq, grads)
         else:
-            incoming, produced = flows.into(fop), []
+            # no gradient node: the op hands its gradient on unchanged (its
+            # group, if any, is forward values the partitioner recomputes)
+            incoming = flows.into(fop) if _eager_makes_node(joint, fop.lifted) else []
             if not incoming:
+                if members:
+                    counts[key] = counts.get(key, 0) + 1
                 continue    # no gradient reaches it: eager makes no backward op either
-        key = (fop.lifted, fop.node_name)
+            members, produced = [], []
         index = counts.get(key, 0)
         counts[key] = index + 1
         if not incoming and not produced:
@@ -705,6 +710,59 @@ def _destination(joint, name, seen=None):
         if found is not None:
             return found
     return None
+
+
+def _eager_makes_node(joint, name):
+    """Whether the lifted op ``name``, run eagerly, makes an autograd node:
+    read by running its torch callable on meta tensors that require grad
+    (``dropout`` with ``p=0`` hands its input back, no node, where
+    AOTAutograd's graph has a ``clone``). True where it cannot run there."""
+    cache = joint.__dict__.setdefault("eager_nodes", {})
+    if name not in cache:
+        cache[name] = _runs_with_node(joint.lifted.raw_ops.get(name), joint.lifted.nodes.get(name))
+    return cache[name]
+
+
+def _runs_with_node(raw, node):
+    found = _eager_grad_fn(raw, node)
+    return found is not False and (found is None or found[0] is not None)
+
+
+def _eager_grad_fn(raw, node):
+    """(the autograd node the torch callable ``raw`` makes on meta copies
+    of ``node``'s arguments that require grad, or None when it makes none,
+    e.g. hands an input back), or None where it cannot run there."""
+    from amanda.runtime.pytorch.compiled.graphs import _value
+    if raw is None or node is None:
+        return None
+    tensors = []
+
+    def meta(arg):
+        if isinstance(arg, torch.fx.Node):
+            value = _value(arg)
+            if isinstance(value, torch.Tensor):
+                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                             device="meta")
+                if tensor.is_floating_point() or tensor.is_complex():
+                    tensor.requires_grad_()
+                tensors.append(tensor)
+                return tensor
+            return value
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(meta(a) for a in arg)
+        return arg
+    try:
+        args = [meta(a) for a in node.args]
+        kwargs = {k: meta(v) for k, v in node.kwargs.items()}
+        with torch.enable_grad():
+            result = raw(*args, **kwargs)
+    except Exception:   # noqa: BLE001 - symbolic sizes, no meta kernel: unknown
+        return None
+    results = result if isinstance(result, (tuple, list)) else [result]
+    for r in results:
+        if isinstance(r, torch.Tensor) and r.grad_fn is not None and not any(r is t for t in tensors):
+            return (r.grad_fn,)
+    return (None,)
 
 
 class _Reach:
