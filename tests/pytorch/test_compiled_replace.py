@@ -218,6 +218,20 @@ def test_replaced_ops_under_inductor(case):
     assert all(_same(a, b, exact=False) for a, b in zip(got[0], expected[0]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["python gelu", "portable gelu", "python chunk"])
+def test_replaced_ops_train_under_inductor(case):
+    """Two training steps on inductor (a tool without backward routines
+    runs there compiled): eager's executions, outputs, gradients (None
+    where eager has none) and parameters within a tolerance."""
+    eager = Replacing(CASES[case])
+    expected = _run(None, eager)
+    compiled = Replacing(CASES[case])
+    got = _run("inductor", compiled)
+    assert compiled.executions == eager.executions
+    _same_runs(got, expected, exact=False)
+
+
 class CountBackwardReplacing(amanda.Tool):
     """Replaces every ``ReluBackward0`` by a routine computing the
     gradient from the incoming one (half of it where the input was
