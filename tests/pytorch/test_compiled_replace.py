@@ -194,6 +194,21 @@ def test_replaced_ops_train_as_eagerly(case, backend):
         assert not torch.equal(got[0][0], vanilla_outputs[0])
 
 
+@pytest.mark.parametrize("case", ["python gelu", "python linear", "portable gelu, ad", "python chunk"])
+def test_replaced_ops_beside_backward_points(case):
+    """The same, with the tool counting every backward op too (backward
+    points, ``aot_eager``): a replaced op outside ``ad_enabled`` has no
+    backward op, the accumulators belong to the ops eager gives them,
+    and every (op id, backward op id, name) runs as often as eagerly."""
+    eager = Replacing(CASES[case], backward=True)
+    expected = _run(None, eager)
+    compiled = Replacing(CASES[case], backward=True)
+    got = _run("aot_eager", compiled)
+    assert compiled.executions == eager.executions
+    assert any(key[2] == "AccumulateGrad" for key in eager.executions)
+    _same_runs(got, expected)
+
+
 def test_replaced_op_has_no_gradient_unless_differentiated():
     """The check behind the gradients above: outside ``ad_enabled`` the
     first linear gets no gradient through the replaced ``gelu``; inside it

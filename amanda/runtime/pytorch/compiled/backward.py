@@ -457,6 +457,8 @@ def _lifted_name(node, lifted):
         name = getattr(source, "name", None)
         if name in lifted.nodes:
             return name
+        if name in lifted.replacements:
+            return lifted.replacements[name]   # a differentiated replace_op routine: its op's
     return None
 
 

@@ -285,6 +285,10 @@ class LiftedGraph:
         #: instruction offset, callable) -> executions per run of the graph: what
         #: eager's occurrence counts gain when the graph runs (`_Call.count_graphs`)
         self.counts = {}
+        #: node name of a routine that replaces an op and is differentiated
+        #: (``replace_op`` under ``amanda.ad_enabled()``) -> that op's IR name:
+        #: eagerly the autograd nodes it makes are the op's backward ops
+        self.replacements = {}
 
 
 def lift_dynamo_graph(gm, owner=None, caller=None):

@@ -275,6 +275,8 @@ def insert_actions(gm, lifted, plan):
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
         if entry.replace:
             node = _insert_replacement(graph, node, entry.replace[0], where)
+            if entry.replace[0].ad:
+                lifted.replacements[_made_by(node).name] = name
         if entry.after:
             _insert_after(graph, node, entry.after, where)
     graph.lint()
@@ -477,6 +479,10 @@ def _insert_replacement(graph, node, action, where):
                 detached[-1].meta["example_value"] = _value(tensor)
             _ROUTINES.append(routine)
             call = graph.call_function(_custom_ops()["replace_op"], (len(_ROUTINES) - 1, detached))
+        # a node with meta is one AOTAutograd names as the source
+        # (``from_node``) of the aten ops traced from it: backward.py reads
+        # which op a differentiated routine's backward ops belong to
+        call.meta["amanda_replaces"] = where[1]
         items = _items(graph, call, len(outputs))
         for item, output in zip(items, outputs):
             item.meta["example_value"] = output
@@ -488,6 +494,14 @@ def _insert_replacement(graph, node, action, where):
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return result
+
+
+def _made_by(node):
+    """The call that made a replacement's result (through its ``getitem``
+    and ``tuple`` nodes)."""
+    while node.target in (operator.getitem, tuple):
+        node = node.args[0] if node.target is operator.getitem else node.args[0][0]
+    return node
 
 
 def _position(graph):
