@@ -366,6 +366,30 @@ def test_replacements_compiled_graphs_cannot_carry_fall_back_loudly(tool):
     assert sum(pytorch_compiled.EAGER_FALLBACKS.values()) == before + 1
 
 
+def test_python_replacement_under_dynamic_shapes_falls_back_loudly():
+    """A Python routine's custom op tells the compiler its results' sizes,
+    which dynamic shapes leave symbolic: the call runs eagerly, saying
+    why, with eager's outputs; a portable one is traced and runs compiled."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 8)
+    with torch.no_grad(), amanda.apply(Replacing(CASES["python gelu"])):
+        expected = model(x)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with torch.no_grad(), pytest.warns(amanda.EagerFallbackWarning, match="symbolic shape"):
+        with amanda.apply(Replacing(CASES["python gelu"])):
+            out = compiled(x)
+    assert torch.equal(out, expected)
+    torch._dynamo.reset()
+    with torch.no_grad(), amanda.apply(Replacing(CASES["portable gelu"])):
+        expected = model(x)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amanda.EagerFallbackWarning)
+        with torch.no_grad(), amanda.apply(Replacing(CASES["portable gelu"])):
+            out = compiled(x)
+    assert torch.equal(out, expected)
+
+
 @portable.hosted
 def _wrong_shape(x):
     return x[:, :1]
