@@ -18,7 +18,10 @@ makes (`_autograd_node`: the op is run on meta tensors that require grad:
 among the op's backward ops, and its id eager's formula on them. Gradient
 accumulation into a parameter (eager's ``AccumulateGrad``, claimed by the
 first op that reads the parameter) is the point on the backward graph's
-output for that parameter.
+output for that parameter. An op with no node in the backward graph (it
+hands its gradient on unchanged: ``a + b``) gets its points on the
+gradient of its output (`_Flows`), and what reads that gradient for one
+of its inputs reads it from its after-point (`_passing`).
 
 **Values.** ``get_grad_outputs()`` are the gradients flowing into the
 group (one per output of the forward aten op that has a gradient);
@@ -32,7 +35,8 @@ the graph's output for a primal.
 which runs the analysis at its first execution (with the real gradients,
 as eagerly) and the recorded actions at every one; what it returns takes
 the place of the gradients (straight-through: the backward graph is not
-differentiated again).
+differentiated again). On ``aot_eager`` the graph is compiled again once
+every point ran its analysis, without the idle ones (`_Slimmer`).
 """
 
 from __future__ import annotations
