@@ -91,6 +91,7 @@ class _SideBranches(_Lowering):
         self.original = model
         proto = self.result.graph
         self._inputs = {i.name for i in proto.input}
+        self._outputs = {o.name for o in proto.output}
         # the top graph's initializers (with the copies `resolve` adds)
         self._weights_here = {i.name for i in proto.initializer}
         # onnxruntime drops initializers it folded but keeps their graph
@@ -223,15 +224,13 @@ class _SideBranches(_Lowering):
         """Make ``name`` an output of the top graph (once; not for graph
         inputs and initializers, which `_FetchPlan` takes from the feed and
         the model)."""
-        proto = self.result.graph
         if name in self._declared:
             return
         self._declared.add(name)
-        if any(i.name == name for i in proto.input) or \
-                any(i.name == name for i in proto.initializer) or \
-                any(o.name == name for o in proto.output):
+        if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
-        proto.output.append(self.value_info(tensor, name))
+        self.result.graph.output.append(self.value_info(tensor, name))
+        self._outputs.add(name)
 
     def name(self, tensor):
         name = self.names.get(tensor)
