@@ -237,7 +237,7 @@ def _instrument(model, session, callbacks, apart=False):
     if not plan and not any(bodies.values()):
         return None, None
     _lower_bodies(lowered, bodies)
-    if apart and callbacks and observes_only(lowered):
+    if apart and callbacks and observes_only(lowered, bodies=bool(bodies)):
         return None, _Observing(lowered)
     lowering = _Lowering(lowered, callbacks)
     return lowering.model(), lowering

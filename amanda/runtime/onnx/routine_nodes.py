@@ -310,7 +310,7 @@ class RoutineNodes:
         return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
 
 
-def observes_only(graph):
+def observes_only(graph, bodies=True):
     """Whether writing ``graph`` would make every routine in it (bodies
     included) an observe-only hosted side branch: what `_Lowering` says with
     ``side_only`` and ``uses_callbacks`` after `_Lowering.model`, decided
@@ -319,14 +319,16 @@ def observes_only(graph):
     portable (traced into nodes), replaces its op, or may return a hosted
     tensor. A session whose routines all observe runs its side branches on
     onnxruntime's optimised model (`_SideBranches`), so it writes nothing
-    else."""
+    else. ``bodies``: whether ops of ``graph`` may hold If/Loop/Scan bodies
+    (False skips looking for them)."""
     found = False
     portable = {}
     stack = [graph]
     while stack:
         for op in stack.pop().ops:
             if op.type != ROUTINE:
-                stack.extend(body for _, body in _bodies(op))
+                if bodies:
+                    stack.extend(body for _, body in _bodies(op))
                 continue
             found = True
             action = op.attrs["action"]
