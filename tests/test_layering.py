@@ -86,8 +86,7 @@ def test_every_backend_support_module_has_the_common_interface():
               "backward_flop_factor", "trainable_parameters", "is_weight_input",
               "ROUTINES_ORDERED_BY_DATAFLOW", "weight_value", "static_shape",
               "OTHER_BACKWARD_FLOPS", "ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME",
-              "parameter_operand", "operand_grad", "rewrite_rules",
-              "accumulates_gradient")
+              "parameter_operand", "operand_grad", "accumulates_gradient")
     for backend in [b.name for b in backends.all_backends()]:
         module = tool_support.support_for(backend)
         assert [name for name in common if not hasattr(module, name)] == [], backend

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 
+from amanda import controls
 from amanda.context import OpContext, take_actions
 from amanda.passes.manager import PassResult
 from amanda.tool import BACKWARD_AFTER, BACKWARD_BEFORE, FORWARD_AFTER, FORWARD_BEFORE
@@ -198,18 +199,32 @@ def _run_points(op, graph, session, backend, context, points, slots):
     accepted too)."""
     (before, after), (input_name, output_name) = points, (s.lstrip("_") for s in slots)
     context._set_ir(op, graph)
+    entry = OpActions(op, context)
     if session.routines[before]:
         context._set_values(**{input_name: backend.inputs(op)})
-        session.analyse(before, context)
+        analyse_point(session, before, context, entry)
     if session.routines[after]:
         context._set_values(**{input_name: backend.inputs(op), output_name: backend.outputs(op)})
-        session.analyse(after, context)
-    entry = OpActions(op, context)
-    _absorb(entry, context)
+        analyse_point(session, after, context, entry)
+    # Tensors of the analysis are not kept: contexts live as long as the plan.
+    context._forget_values()
     return entry
 
 
-def _absorb(entry, context):
-    take_actions(context, entry)
-    # Tensors of the analysis are not kept: contexts live as long as the plan.
-    context._forget_values()
+def analyse_point(session, point, context, target):
+    """Run the analysis routines of ``point`` on ``context`` and move the
+    actions they record into ``target`` (its ``before``, ``after`` and
+    ``replace`` lists, `take_actions`).
+
+    The one analysis step of every path: this pass takes it at each point of
+    each IR op, eager PyTorch at each point of a newly seen op's call and of
+    its autograd nodes, as they execute (an eager op's after point comes
+    once it has run). Amanda is muted meanwhile: an analysis routine's own
+    tensor calls and sessions are not instrumented.
+
+    Raises:
+        ToolError: a routine failed, or more than one routine replaces the op.
+    """
+    with controls.muted():
+        session.analyse(point, context)
+    take_actions(context, target)

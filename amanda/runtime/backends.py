@@ -75,6 +75,9 @@ class Backend:
         vocabulary: the module of the backend's op facts: its ops' canonical
             types, input roles, layouts and attribute names (see
             :mod:`amanda.runtime.vocabulary`).
+        rewrite_rules: the module of the backend's variants of the example
+            rewrite rule sets (``fold_batchnorm_rules()``, ``gelu_tanh_rules()``,
+            ``fake_quant_matmul_rules(...)``; :mod:`amanda.tools.rewrite_rules`).
     """
 
     name: str
@@ -90,6 +93,7 @@ class Backend:
     portable_ops: object = None
     target_provider: object = None
     vocabulary: object = None
+    rewrite_rules: object = None
 
     def part(self, field):
         """The part named ``field``, loaded on first use; None when the

@@ -12,6 +12,9 @@ import dis
 import functools
 import inspect
 
+import numpy as np
+
+from amanda.controls import muted
 from amanda.errors import AmandaError, ToolError
 
 
@@ -36,6 +39,62 @@ def invoke(action, args, where):
         raise
     except Exception as exc:
         raise routine_failed(action, where, exc) from exc
+
+
+def observe_after_run(steps, views, is_array):
+    """Call observe-only routines after a run, in program order: the one
+    after-run observation loop, for every backend that fetches the tensors
+    such routines read with the run (TensorFlow's ``Session.run`` and
+    ``tf.function`` graphs, onnxruntime's observe-only sessions).
+
+    Args:
+        steps: ``(func, slots, action, where)`` per routine, in program
+            order. ``func`` is the routine with its keyword arguments bound.
+            ``slots`` None: it receives no tensor and can only return None
+            (`returns_only_none`), and it is called as ``func()``, its
+            positional arguments bound too; else one entry per positional
+            argument: a key of ``views``, or None for a tensor that cannot
+            leave the backend.
+        views: key -> read-only array of this run (or what else the backend
+            hands routines for it). Each routine receives a NumPy array as a
+            view of its own (``view()``), read-only too.
+        is_array: recognises the backend's arrays; what a routine returns is
+            checked as every routine's is (`checked_result`), then dropped:
+            after the run nothing is left to replace.
+
+    Amanda is muted once for the whole loop (a routine's own runs stay
+    plain). The first routine that raises stops the loop (those before it
+    have run, those after it do not) with the `ToolError` naming tool,
+    routine and op, its error chained; a routine that wrote into its
+    read-only view is told why.
+    """
+    with muted():
+        for func, slots, action, where in steps:
+            args = ()
+            try:
+                if slots is None:
+                    func()
+                    continue
+                args = [None if s is None else _own_view(views[s]) for s in slots]
+                result = func(*args)
+            except AmandaError:
+                raise
+            except ValueError as exc:
+                if "read-only" in str(exc):
+                    raise routine_error(
+                        action, where, "wrote into a tensor it observes: a routine that only "
+                        "returns None receives read-only views of the run's own buffers, not "
+                        "copies. Copy the array to change it (numpy.array(x)), or return a new "
+                        "array to replace the value") from exc
+                raise routine_failed(action, where, exc) from exc
+            except Exception as exc:
+                raise routine_failed(action, where, exc) from exc
+            if result is not None:
+                checked_result(action, args, result, is_array, where)
+
+
+def _own_view(value):
+    return value.view() if isinstance(value, np.ndarray) else value
 
 
 def routine_failed(action, where, exc):

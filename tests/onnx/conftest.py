@@ -25,6 +25,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 ort.set_default_logger_severity(3)   # opset-6 models make onnxruntime chatty
 
+import amanda.frontends.onnx as _frontend   # noqa: E402
+
+_frontend.VERIFY_LIFTED = True   # the tests check every graph the lifter makes
+
 DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
 SUITES = ("simple", "pytorch-converted", "pytorch-operator")
 

@@ -66,6 +66,7 @@ from amanda.frontends.onnx.proto import ProtoAttr, _text
 from amanda.frontends.onnx.weightless import weightless_copy
 from amanda.ir import Graph
 from amanda.ir.attrs import iter_graphs
+from amanda.passes import manager
 
 __all__ = ["ABSENT", "ProtoAttr", "default_namespace", "dtype_name", "lift", "load_model"]
 
@@ -84,7 +85,8 @@ def lift(model, namespace=None, nodes=None):
             (the nodes of ``model`` itself).
 
     Returns:
-        A verified :class:`amanda.ir.Graph` described in this module.
+        The :class:`amanda.ir.Graph` described in this module (verified when
+        `VERIFY_LIFTED` is on).
 
     Raises:
         BackendError: the model is malformed or unsupported; the message names
@@ -112,11 +114,19 @@ def lift(model, namespace=None, nodes=None):
         for op in _all_ops(graph):
             nodes[op.name] = lifter.protos[op]
     graph.attrs["_onnx"].update(_model_attrs(model))
-    try:
-        graph.verify()
-    except Exception as exc:   # a bug of the lifter, not of the model
-        raise BackendError(f"lifting the ONNX model produced an invalid IR graph: {exc}") from exc
+    if VERIFY_LIFTED:
+        try:
+            graph.verify()
+        except Exception as exc:   # a bug of the lifter, not of the model
+            raise BackendError(f"lifting the ONNX model produced an invalid IR graph: {exc}") \
+                from exc
     return graph
+
+
+#: Verify every lifted graph (a check of the lifter, not of the model: about
+#: a tenth of a cache-missing session creation on a small BERT). On in
+#: amanda's ONNX tests and with ``AMANDA_DEBUG_PASSES=1``; off otherwise.
+VERIFY_LIFTED = manager.DEBUG
 
 
 def _uses_default_domain(graph):

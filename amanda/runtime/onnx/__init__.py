@@ -64,6 +64,7 @@ BACKEND = register(Backend(
     instrument="amanda.runtime.onnx.instrument:instrument_model",
     tool_support="amanda.runtime.onnx.tools",
     vocabulary="amanda.runtime.onnx.vocabulary",
+    rewrite_rules="amanda.runtime.onnx.rewrite_rules",
 ))
 
 #: public name -> the module of this package that defines it. Every name that

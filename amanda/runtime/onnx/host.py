@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 import onnxruntime as ort
 
-from amanda.errors import BackendError, ToolError
+from amanda.errors import BackendError
 from amanda.frontends.onnx import load_model
 from amanda.runtime import host
 from amanda.runtime.backends import load_skipping_package
@@ -280,7 +280,6 @@ class _Callback:
         self.where = where
         self.count = count
         self.hosted = hosted
-        self._nothing = (None,) * count
         self.out_dtypes = [np.dtype(d) for d in out_dtypes]
         self.replacing = replacing
         self.observe = observe
@@ -298,32 +297,6 @@ class _Callback:
         if self.replacing:
             return [np.zeros((), d) for d in self.out_dtypes]
         return list(arrays)
-
-    def look(self, arrays):
-        """Call an observe-only routine on read-only views (see `_FetchPlan`).
-        The caller mutes amanda around its loop of calls (a routine's own
-        sessions are not instrumented).
-
-        Raises:
-            ToolError: the routine raised; writing into a view is named as such.
-        """
-        if self.hosted:
-            values = [None] * self.count
-            for i, array in zip(self.hosted, arrays):
-                values[i] = array
-        else:
-            values = list(self._nothing)   # no tensor it can see (a counter's inputs=[])
-        try:
-            call_routine(self.action, values, _is_array, self.where)
-        except ToolError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, ValueError) and "read-only" in str(cause):
-                raise host.tool_error(
-                    self.action, self.where, "wrote into a tensor it observes: a routine that "
-                    "only returns None receives read-only views of onnxruntime's own buffers, "
-                    "not copies. Copy the array to change it (numpy.array(x)), or return a new "
-                    "array to replace the value") from cause
-            raise
 
     def _call(self, arrays):
         if self.replacing:

@@ -31,6 +31,7 @@ from amanda.runtime.onnx.bodies import _analyse_bodies, _bodies, _lower_bodies
 from amanda.runtime.onnx.host import _original_init
 from amanda.runtime.onnx.lowering import MAX_IR_VERSION, _Lowering, lower
 from amanda.runtime.onnx.portable import elem_type
+from amanda.runtime.onnx.routine_nodes import observes_only
 
 
 class OnnxGraphBackend(GraphBackend):
@@ -200,8 +201,25 @@ def _probing(probe):
     return _probe.probing(_BACKEND, probe)
 
 
-def _instrument(model, session, callbacks):
-    """(lowered ModelProto or None when nothing was recorded, its `_Lowering`)."""
+class _Observing:
+    """What `_instrument` gives instead of a written model when every routine
+    only observes and the caller attaches them to onnxruntime's optimised
+    model itself (`_SideBranches`): the lowered IR graph, and the facts a
+    written `_Lowering` would report."""
+
+    side_only = True
+    uses_callbacks = True
+    inline = False
+
+    def __init__(self, top):
+        self.top = top
+
+
+def _instrument(model, session, callbacks, apart=False):
+    """(lowered ModelProto or None, its `_Lowering`); ``(None, None)`` when
+    nothing was recorded. ``apart``: when every routine only observes
+    (`observes_only`), write no model and return ``(None, _Observing)``;
+    a session attaches them to onnxruntime's optimised model instead."""
     nodes = {}
     ir_graph = lift(model, nodes=nodes)
     _complete_types(model, ir_graph)
@@ -219,6 +237,8 @@ def _instrument(model, session, callbacks):
     if not plan and not any(bodies.values()):
         return None, None
     _lower_bodies(lowered, bodies)
+    if apart and callbacks and observes_only(lowered, bodies=bool(bodies)):
+        return None, _Observing(lowered)
     lowering = _Lowering(lowered, callbacks)
     return lowering.model(), lowering
 

@@ -82,6 +82,7 @@ class _Lowering(RoutineNodes):
         self.types = {}
         self.graph_proto = None   # the GraphProto being written
         self.ops_by_name = {}
+        self.portability = {}     # (id(function), bound) -> (function, portable?): _portable_here
 
     # -- names
     def fresh(self, base):

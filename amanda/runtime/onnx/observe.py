@@ -20,12 +20,10 @@ import onnxruntime as ort
 from onnx import numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from amanda import controls
-from amanda.errors import AmandaError
 from amanda.frontends.onnx.models import default_domain_version
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
-from amanda.runtime.routines import returns_only_none, routine_error
+from amanda.runtime.routines import observe_after_run, returns_only_none
 from amanda.runtime.onnx.bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
@@ -91,6 +89,7 @@ class _SideBranches(_Lowering):
         self.original = model
         proto = self.result.graph
         self._inputs = {i.name for i in proto.input}
+        self._outputs = {o.name for o in proto.output}
         # the top graph's initializers (with the copies `resolve` adds)
         self._weights_here = {i.name for i in proto.initializer}
         # onnxruntime drops initializers it folded but keeps their graph
@@ -223,15 +222,13 @@ class _SideBranches(_Lowering):
         """Make ``name`` an output of the top graph (once; not for graph
         inputs and initializers, which `_FetchPlan` takes from the feed and
         the model)."""
-        proto = self.result.graph
         if name in self._declared:
             return
         self._declared.add(name)
-        if any(i.name == name for i in proto.input) or \
-                any(i.name == name for i in proto.initializer) or \
-                any(o.name == name for o in proto.output):
+        if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
-        proto.output.append(self.value_info(tensor, name))
+        self.result.graph.output.append(self.value_info(tensor, name))
+        self._outputs.add(name)
 
     def name(self, tensor):
         name = self.names.get(tensor)
@@ -427,27 +424,18 @@ class _FetchPlan:
 
     def call(self, values, feed):
         """Call every routine, in program order, on read-only views of ``values``
-        (fetched name -> array), the feed and the model's initializers.
+        (fetched name -> array), the feed and the model's initializers,
+        through the one after-run loop
+        (`amanda.runtime.routines.observe_after_run`).
 
         One read-only view per tensor and run is made up front; each routine
-        gets a view of it of its own (``view()``, read-only too). A routine
-        that receives no tensor is called directly (`_step`): no list, no
-        view, no per-call scope. The first routine that raises stops the
-        loop: the routines before it have run, the ones after it do not,
-        and its error is raised as the ToolError naming it
-        (`amanda.runtime.routines.invoke`)."""
+        gets a view of it of its own. A routine that receives no tensor is
+        called directly (`_step`): no list, no view. The first routine that
+        raises stops the loop: the routines before it have run, the ones
+        after it do not, and its error is raised as the ToolError naming
+        it."""
         views = self._views(values, feed) if self.constants or self.extra or self._fed else None
-        with controls.muted():    # once for all routines: their own sessions run plain
-            for func, callback, names in self._steps:
-                if names is None:
-                    try:
-                        func()
-                    except AmandaError:
-                        raise
-                    except Exception as exc:
-                        raise _raised(callback, exc) from exc
-                else:
-                    callback.look([views[name].view() for name in names])
+        observe_after_run(self._steps, views, _is_array)
 
     def _views(self, values, feed):
         """Read-only views of every tensor a routine reads in this run, by name."""
@@ -501,17 +489,20 @@ def _drop_unread_initializers(proto, names):
 
 
 def _step(callback, names):
-    """``(func, callback, names)``: how `_FetchPlan.call` calls one routine.
-    A routine that receives no tensor and can only return None
+    """``(func, slots, action, where)``: how `observe_after_run` calls one
+    routine. A routine that receives no tensor and can only return None
     (`returns_only_none`; a counter's ``inputs=[]``) is called as ``func()``,
     its arguments bound here once (``None`` for each selected tensor Python
-    cannot take, and its keyword arguments), ``names`` None; any other goes
-    through ``callback.look`` on views of ``names``, which checks what it
-    returns."""
+    cannot take, and its keyword arguments), ``slots`` None; any other gets
+    the views of ``names`` at its hosted positions (None elsewhere)."""
     action = callback.action
     if names or not returns_only_none(action.func):
-        return None, callback, list(names)
-    return _bound(action.func, (None,) * callback.count, action.kwargs), callback, None
+        slots = [None] * callback.count
+        for position, name in zip(callback.hosted, names):
+            slots[position] = name
+        return _bound(action.func, (), action.kwargs), slots, action, callback.where
+    return _bound(action.func, (None,) * callback.count, action.kwargs), None, action, \
+        callback.where
 
 
 def _bound(func, args, kwargs):
@@ -520,10 +511,8 @@ def _bound(func, args, kwargs):
     return functools.partial(func, *args, **kwargs) if args or kwargs else func
 
 
-def _raised(callback, exc):
-    """The ToolError for ``exc`` raised by ``callback``'s routine, as
-    `amanda.runtime.routines.invoke` makes it."""
-    return routine_error(callback.action, callback.where, f"raised {type(exc).__name__}: {exc}")
+def _is_array(value):
+    return isinstance(value, np.ndarray)
 
 
 def _read_only(value):

@@ -22,10 +22,12 @@ import onnx
 from onnx import numpy_helper
 
 from amanda.errors import AmandaError, BackendError, describe
+from amanda.passes.lower_actions import ROUTINE
+from amanda.runtime.onnx.bodies import _bodies
 from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, ORDER_SLOT, _Callback,
                                       _catalog, _register_callback)
 from amanda.runtime.onnx.portable import NotNative, PortableEmitter
-from amanda.runtime.routines import returns_only_none, routine_error  # noqa: F401  (returns_only_none: its home is the kernel, shared with TF)
+from amanda.runtime.routines import returns_only_none, routine_error
 
 
 #: element types onnxruntime's CPU ``Size`` has no kernel for
@@ -45,17 +47,30 @@ class RoutineNodes:
         types = [None if t.attrs.get("absent") else self.tensor_type(t)[0]
                  for t in routine.inputs]
         func = routine.attrs["action"].func
-        if _is_portable(func) and None not in types:
+        if self._portable_here(func) and None not in types:
             return False   # traced into nodes (an observer's outputs get copies)
         hosted = [t in _HOSTED_DTYPES for t in types]
         return not hosted[index] or not any(hosted) or returns_only_none(func)
+
+    def _portable_here(self, func):
+        """`_is_portable`, asked once per function per model written: a model
+        holds one action per node and point, mostly of one routine (a new
+        bound method object each time a tool names ``self.look``), and
+        inference's verdict, which depends on the function and whether it is
+        bound, is dearer than a look-up."""
+        plain = getattr(func, "__func__", func)
+        key = (id(plain), plain is not func)
+        known = self.portability.get(key)
+        if known is None or known[0] is not plain:
+            known = self.portability[key] = (plain, _is_portable(func))
+        return known[1]
 
     def _routine(self, op):
         action = op.attrs["action"]
         target = self.ops_by_name.get(op.attrs["target"])
         where = (target.type if target is not None else None, op.attrs["target"],
                  self.top.namespace)
-        if _is_portable(action.func):
+        if self._portable_here(action.func):
             self.side_only = False
             try:
                 return self._portable(op, action, where)
@@ -293,6 +308,54 @@ class RoutineNodes:
         names = {t.name for t in self.graph_proto.initializer}
         name = next((n for n in names if n.startswith("amanda.trigger")), None)
         return name or self.add_initializer(np.array(0, np.int64), "amanda.trigger")
+
+
+def observes_only(graph, bodies=True):
+    """Whether writing ``graph`` would make every routine in it (bodies
+    included) an observe-only hosted side branch: what `_Lowering` says with
+    ``side_only`` and ``uses_callbacks`` after `_Lowering.model`, decided
+    before any node is written (the same tests as `RoutineNodes._routine`
+    and `RoutineNodes._callback`). False when there is no routine, or one is
+    portable (traced into nodes), replaces its op, or may return a hosted
+    tensor. A session whose routines all observe runs its side branches on
+    onnxruntime's optimised model (`_SideBranches`), so it writes nothing
+    else. ``bodies``: whether ops of ``graph`` may hold If/Loop/Scan bodies
+    (False skips looking for them)."""
+    found = False
+    portable = {}
+    stack = [graph]
+    while stack:
+        for op in stack.pop().ops:
+            if op.type != ROUTINE:
+                if bodies:
+                    stack.extend(body for _, body in _bodies(op))
+                continue
+            found = True
+            action = op.attrs["action"]
+            func = action.func
+            plain = getattr(func, "__func__", func)
+            key = (id(plain), plain is not func)
+            known = portable.get(key)
+            if known is None:   # (plain is kept alive by the action: no id is reused)
+                known = portable[key] = (_is_portable(func), returns_only_none(func))
+            if op.attrs["kind"].startswith("replace") or known[0]:
+                return False
+            if not known[1] and any(_dtype(t) in _HOSTED_DTYPES for t in op.inputs):
+                return False
+    return found
+
+
+def _dtype(tensor):
+    """A routine input's element type as `_Lowering.tensor_type` finds it
+    (through observing routines to what they pass on; None: unknown)."""
+    while not tensor.attrs.get("absent"):
+        dtype = tensor.attrs.get("dtype")
+        producer = tensor.producer
+        if dtype is not None or producer is None or producer.type != ROUTINE \
+                or producer.attrs["kind"].startswith("replace"):
+            return dtype
+        tensor = producer.inputs[tensor.index]
+    return None
 
 
 def _is_portable(func):

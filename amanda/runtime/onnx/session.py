@@ -180,7 +180,7 @@ class _Instrumented:
         if self.side is not None:
             return self.side
         model = given.model()
-        lowered, lowering = _instrument(model, session, callbacks=True)
+        lowered, lowering = _instrument(model, session, callbacks=True, apart=True)
         del lowered
         if lowering is None or not lowering.side_only:
             raise BackendError("amanda: instrumenting the model again gave another plan")
@@ -221,8 +221,8 @@ def _instrumented(session, source, ahead=None):
             given.ahead = ahead(given.for_onnxruntime())
         except Exception:   # reported as without it: by instrumenting, or by the session
             given.ahead = None
-    lowered, lowering = _instrument(given.model(), session, callbacks=True)
-    if lowered is None:
+    lowered, lowering = _instrument(given.model(), session, callbacks=True, apart=True)
+    if lowering is None:
         # nothing recorded: sessions read the model from what the user gives
         # them, which hashes to this key (no copy is kept)
         hit = _Instrumented(None)

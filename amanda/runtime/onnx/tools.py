@@ -233,15 +233,6 @@ def operand_grad(backward_op):
     return None
 
 
-def rewrite_rules():
-    """This backend's variants of the example rule sets
-    (:mod:`amanda.tools.rewrite_rules`): a module with
-    ``fold_batchnorm_rules()``, ``gelu_tanh_rules()`` and
-    ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
-    from amanda.runtime.onnx import rewrite_rules as variants
-    return variants
-
-
 def accumulates_gradient(backward_op):
     """False: no backward op of this backend only stores a gradient."""
     return False

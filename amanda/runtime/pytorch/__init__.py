@@ -57,6 +57,7 @@ BACKEND = register(Backend(
     export="amanda.runtime.pytorch.export:export_torch",
     tool_support="amanda.runtime.pytorch.tools",
     vocabulary="amanda.runtime.pytorch.vocabulary",
+    rewrite_rules="amanda.runtime.pytorch.rewrite_rules",
     portable_ops="amanda.runtime.pytorch.portable_ops",
     target_provider="amanda.frontends.pytorch.targets",
 ))

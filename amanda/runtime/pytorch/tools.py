@@ -332,15 +332,6 @@ def static_shape(value):
     return None
 
 
-def rewrite_rules():
-    """This backend's variants of the example rule sets
-    (:mod:`amanda.tools.rewrite_rules`): a module with
-    ``fold_batchnorm_rules()``, ``gelu_tanh_rules()`` and
-    ``fake_quant_matmul_rules(scale, zero_point, quant_min, quant_max)``."""
-    from amanda.runtime.pytorch import rewrite_rules as variants
-    return variants
-
-
 def accumulates_gradient(backward_op):
     """Whether a backward op stores a leaf's gradient into its ``.grad``
     (autograd's ``AccumulateGrad``) rather than computing a gradient."""

@@ -52,6 +52,7 @@ BACKEND = register(Backend(
     instrument="amanda.runtime.tensorflow.driver:instrument_graph",
     tool_support="amanda.runtime.tensorflow.tools",
     vocabulary="amanda.runtime.tensorflow.vocabulary",
+    rewrite_rules="amanda.runtime.tensorflow.rewrite_rules",
     portable_ops="amanda.runtime.tensorflow.portable_ops",
 ))
 

@@ -28,11 +28,10 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from amanda import controls, portable
+from amanda import portable
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.observation import fetch_budget
-from amanda.errors import AmandaError
-from amanda.runtime.routines import returns_only_none, routine_error
+from amanda.runtime.routines import observe_after_run, returns_only_none
 from amanda.runtime.tensorflow.bodies import _origin
 from amanda.runtime.tensorflow.hosting import _crosses_to_python, _read_only
 
@@ -283,36 +282,23 @@ class _Observers:
     @staticmethod
     def call(calls, values):
         """Call the routines in program order on read-only views of ``values``
-        (the extra fetches' results).
-
-        Each fetched array gets one read-only view per run, which every
-        routine reading it receives (`_read_only` hands a read-only array on
-        as it is). A routine that receives no tensor is called with the
-        arguments its plan step holds. Fetched routines can only return None
-        (`returns_only_none`), so nothing is checked after a call. The first
-        routine that raises stops the loop (the ones before it have run, the
-        ones after it do not) and its error is raised as the ToolError naming
-        tool, routine and op (`amanda.runtime.routines.invoke`), with it as
-        ``__cause__``."""
+        (the extra fetches' results), through the one after-run loop
+        (`amanda.runtime.routines.observe_after_run`): a routine that
+        receives no tensor is called with the arguments its plan step holds;
+        the first routine that raises stops the loop with the ToolError
+        naming tool, routine and op."""
         views = [_read_only(v) for v in values] if values else ()
-        with controls.muted():   # a routine's own runs stay plain
-            for func, slots, record in calls:
-                try:
-                    if slots is None:
-                        func()
-                    else:
-                        func(*[None if s is None else views[s] for s in slots])
-                except AmandaError:
-                    raise
-                except Exception as exc:
-                    raise routine_error(record.action, record.where,
-                                 f"raised {type(exc).__name__}: {exc}") from exc
+        observe_after_run(calls, views, _is_array)
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, np.generic))
 
 
 def _call_step(record, slots):
-    """``(func, slots, record)`` for `_Observers.call`, ``func`` with the
-    routine's keyword arguments bound. When the routine receives no array
-    (no tensor selected, or only tensors that cannot leave TensorFlow,
+    """``(func, slots, action, where)`` for `observe_after_run`, ``func``
+    with the routine's keyword arguments bound. When the routine receives no
+    array (no tensor selected, or only tensors that cannot leave TensorFlow,
     passed as None) its positional arguments are bound too and ``slots`` is
     None: it is called as ``func()``; otherwise ``slots`` are positions
     among the extra fetches (None for a tensor that cannot leave)."""
@@ -321,8 +307,9 @@ def _call_step(record, slots):
     if all(s is None for s in slots):
         args = (None,) * len(slots)
         return (functools.partial(func, *args, **kwargs) if args or kwargs else func), None, \
-            record
-    return (functools.partial(func, **kwargs) if kwargs else func), tuple(slots), record
+            action, record.where
+    return (functools.partial(func, **kwargs) if kwargs else func), tuple(slots), action, \
+        record.where
 
 
 def _bare_after_waits(rewrite, target):

@@ -1,8 +1,8 @@
 """What the example rule sets share: finding a backend's variants.
 
 Each backend keeps its variants of the rule sets in its own package
-(``amanda/runtime/<backend>/rewrite_rules.py``, reached through its tool
-support's ``rewrite_rules()``); the patterns and helpers they share are in
+(``amanda/runtime/<backend>/rewrite_rules.py``, the ``rewrite_rules`` part
+of its descriptor, :class:`amanda.runtime.backends.Backend`); the patterns and helpers they share are in
 :mod:`amanda.passes.rewrite_helpers`.
 """
 
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from amanda.passes.rewrite import RewriteError
 from amanda.runtime import backends
-from amanda.runtime.tool_support import support_for
 
 
 def _variants(backend):
-    support = support_for(backend)
-    return None if support is None or not hasattr(support, "rewrite_rules") \
-        else support.rewrite_rules()
+    found = backends.for_namespace(backend)
+    return None if found is None else found.part("rewrite_rules")
 
 
 def variant(rule_set, backend):

@@ -15,8 +15,8 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from amanda import controls
-from amanda.context import take_actions
 from amanda.errors import AmandaError
+from amanda.passes.instrumentation import analyse_point
 from amanda.runtime.pytorch.eager.records import _is_tensor, _StraightThrough
 from amanda.runtime.pytorch.eager.sites import _Tensor
 from amanda.runtime.routines import (
@@ -218,10 +218,8 @@ def _strided_nested(action, where):
         what="instrumentation routine")
 
 
-def _analyse(session, point, context, record):
-    with controls.muted():
-        session.analyse(point, context)
-    take_actions(context, record)
+#: the analysis step every path shares (`amanda.passes.instrumentation.analyse_point`)
+_analyse = analyse_point
 
 
 def _output_spec(func, args, kwargs):
