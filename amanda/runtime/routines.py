@@ -129,7 +129,13 @@ def call_routine(action, selected, is_tensor, where, meta=None):
 
 def checked_result(action, selected, result, is_tensor, where, meta=None):
     """What :func:`call_routine` returns for a routine's ``result`` that is
-    not None (the same checks, for callers that ran the routine themselves)."""
+    not None (the same checks, for callers that ran the routine themselves).
+
+    A routine that hands back what it received replaces nothing (None): its
+    selection as a sequence, or, where ``meta`` is given (the result stands
+    for the tensors it received), the one tensor it received."""
+    if meta is not None and len(selected) == 1 and result is selected[0]:
+        return None   # handed back the one tensor it replaces
     if type(result) is tuple or type(result) is list:
         if len(result) == len(selected):
             for new, old in zip(result, selected):
