@@ -472,27 +472,8 @@ def _autograd_node(node):
     gradients flow into it): the op is run on meta tensors that require
     grad, no data is read. Where it cannot run there, its name is made from
     the op's and its inputs are its tensor arguments in order."""
-    values = []
-
-    def meta(arg):
-        if isinstance(arg, torch.fx.Node):
-            value = arg.meta.get("val")
-            if isinstance(value, torch.Tensor):
-                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                             device="meta")
-                if tensor.is_floating_point() or tensor.is_complex():
-                    tensor.requires_grad_()
-                values.append((tensor, arg.name))
-                return tensor
-            return value
-        if isinstance(arg, (list, tuple)):
-            return type(arg)(meta(a) for a in arg)
-        return arg
     try:
-        args = [meta(a) for a in node.args]
-        kwargs = {k: meta(v) for k, v in node.kwargs.items()}
-        with torch.enable_grad():
-            result = node.target(*args, **kwargs)
+        result, values = _run_on_meta(node.target, node, lambda arg: arg.meta.get("val"))
         results = result if isinstance(result, (tuple, list)) else [result]
         grad_fn = next(r.grad_fn for r in results if isinstance(r, torch.Tensor)
                        and r.grad_fn is not None)
@@ -741,34 +722,44 @@ def _eager_grad_fn(raw, node):
     from amanda.runtime.pytorch.compiled.graphs import _value
     if raw is None or node is None:
         return None
-    tensors = []
+    try:
+        result, made = _run_on_meta(raw, node, _value)
+    except Exception:   # noqa: BLE001 - symbolic sizes, no meta kernel: unknown
+        return None
+    results = result if isinstance(result, (tuple, list)) else [result]
+    for r in results:
+        if isinstance(r, torch.Tensor) and r.grad_fn is not None \
+                and not any(r is t for t, _ in made):
+            return (r.grad_fn,)
+    return (None,)
+
+
+def _run_on_meta(func, node, value_of):
+    """``func`` called on meta copies of ``node``'s arguments, floating ones
+    requiring grad, so that it makes the autograd node eager would without
+    reading data: ``(result, [(meta tensor, argument name)])``.
+    ``value_of(arg)`` is the example value of an argument node. Raises
+    whatever ``func`` raises there (symbolic sizes, no meta kernel)."""
+    made = []
 
     def meta(arg):
         if isinstance(arg, torch.fx.Node):
-            value = _value(arg)
+            value = value_of(arg)
             if isinstance(value, torch.Tensor):
                 tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
                                              device="meta")
                 if tensor.is_floating_point() or tensor.is_complex():
                     tensor.requires_grad_()
-                tensors.append(tensor)
+                made.append((tensor, arg.name))
                 return tensor
             return value
         if isinstance(arg, (list, tuple)):
             return type(arg)(meta(a) for a in arg)
         return arg
-    try:
-        args = [meta(a) for a in node.args]
-        kwargs = {k: meta(v) for k, v in node.kwargs.items()}
-        with torch.enable_grad():
-            result = raw(*args, **kwargs)
-    except Exception:   # noqa: BLE001 - symbolic sizes, no meta kernel: unknown
-        return None
-    results = result if isinstance(result, (tuple, list)) else [result]
-    for r in results:
-        if isinstance(r, torch.Tensor) and r.grad_fn is not None and not any(r is t for t in tensors):
-            return (r.grad_fn,)
-    return (None,)
+    args = [meta(a) for a in node.args]
+    kwargs = {k: meta(v) for k, v in node.kwargs.items()}
+    with torch.enable_grad():
+        return func(*args, **kwargs), made
 
 
 class _Reach:
