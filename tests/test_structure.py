@@ -243,3 +243,62 @@ def test_the_backend_knowledge_scan_sees_it(tmp_path):
                       '    if ns.startswith("tensorflow"):\n        return support_for("onnx")\n'
                       '    return {"pytorch/2/eager": 1}\n')
     assert sorted(line for line, _ in backend_knowledge(sample)) == [2, 3, 6, 7, 8]
+
+
+def _defined_names(tree):
+    """Names a module defines at its top level (functions, classes,
+    assignments, imports, also inside top-level ``if``/``try`` blocks), and
+    whether it has a module ``__getattr__`` (PEP 562: it may define more)."""
+    names, lazy = set(), False
+
+    def visit(body):
+        nonlocal lazy
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                lazy = lazy or node.name == "__getattr__"
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+                    if isinstance(target, ast.Name) and target.id == "__getattr__":
+                        lazy = True
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    names.add((alias.asname or alias.name).split(".")[0])
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", ()):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", ()))
+    visit(tree.body)
+    return names, lazy
+
+
+def _all_names(tree):
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:
+                return None   # computed: not checked here
+    return None
+
+
+def test_every_name_in_all_is_defined():
+    """A name listed in a module's ``__all__`` but defined nowhere breaks
+    ``from module import *`` (three tool-support modules kept a removed
+    function's name there)."""
+    missing = []
+    for module, path in sorted(MODULES.items()):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        listed = _all_names(tree)
+        if not listed:
+            continue
+        names, lazy = _defined_names(tree)
+        if lazy:
+            continue
+        missing += [f"{module}: {name}" for name in listed if name not in names]
+    assert missing == []

@@ -14,7 +14,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "HOSTED_DTYPES",
            "backward_flop_operands", "current_run", "hosted", "initializer", "int_attribute",
            "is_weight_input", "is_whole_graph", "load_model", "module_path_from_op",
            "node_attribute", "onnx_module_path", "operand_grad", "parameter_operand",
-           "rewrite_rules", "stable_op_id", "static_shape", "tensor_values",
+           "stable_op_id", "static_shape", "tensor_values",
            "trainable_parameters", "weight_value"]
 
 #: The dtypes whose tensors the ONNX runtime can hand to a hosted Python

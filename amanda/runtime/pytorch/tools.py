@@ -28,7 +28,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATO
            "call_argument", "call_arguments", "call_attrs", "export_onnx", "fbs_saliency",
            "has_nonfinite", "is_tensor", "is_weight_input", "is_whole_graph", "kernel_profiler",
            "module_path_from_op", "new_predictor", "no_grad", "operand_grad", "parameter_operand",
-           "random_bert", "rewrite_rules", "stable_op_id", "static_shape", "tensor_stats",
+           "random_bert", "stable_op_id", "static_shape", "tensor_stats",
            "trainable_parameters", "weight_value", "wta_gate"]
 
 _INPUT = "$input"   # how a captured call refers to its tensor inputs

@@ -11,7 +11,7 @@ __all__ = ["ANALYSED_PER_CALL_SITE", "COUNTS_AT_RUN_TIME", "MODULE_PATH_SEPARATO
            "OTHER_BACKWARD_FLOPS", "ROUTINES_ORDERED_BY_DATAFLOW", "accumulates_gradient",
            "backward_flop_factor", "backward_flop_operands", "frozen_graph_def",
            "is_weight_input", "is_whole_graph", "module_path_from_op", "name_scope",
-           "operand_grad", "parameter_operand", "rewrite_rules", "stable_op_id", "static_shape",
+           "operand_grad", "parameter_operand", "stable_op_id", "static_shape",
            "tf2onnx_converter", "trainable_parameters", "weight_value"]
 
 

@@ -210,9 +210,9 @@ class _VariableSync:
         if moved:
             reads = {n: r for n, r, _ in variables}
             shared = [_is_resource(reads[n]) for n, _ in moved]
-            now = self._assign(self.shadow.session, [side[n][0] for n, _ in moved],
-                               [side[n][1] for n, _ in moved], [side[n][2] for n, _ in moved],
-                               [v for _, v in moved], shared)
+            self._assign(self.shadow.session, [side[n][0] for n, _ in moved],
+                         [side[n][1] for n, _ in moved], [side[n][2] for n, _ in moved],
+                         [v for _, v in moved], shared)
             for name, value in moved:
                 self._remember(name, reads[name], value)
         self.writes.dirty = set()
