@@ -1135,35 +1135,31 @@ def _passing_point(handle, point, grad_outputs, grad_inputs):
     (`_Slimmer`): ``boxed_nop`` runs the graph as Python, so the point is
     a plain call that hands on what the routines return (or the gradients
     themselves), as eagerly, without the copies a custom op must make."""
+    old, new = _run_point(handle, point, grad_outputs, grad_inputs)
+    return [o if n is None else n for o, n in zip(old, new) if o is not None]
+
+
+def _run_point(handle, point, grad_outputs, grad_inputs):
+    """``(the gradients the point passes on, what its routines returned for
+    them)``: point 0 runs the before-routines on ``grad_outputs``, point 1
+    the after-routines on ``grad_inputs``, outside autograd."""
     record = _POINTS[handle]
     with torch.no_grad():
         if point == 0:
-            old, new = grad_outputs, record.run_before(grad_outputs)
-        else:
-            old, new = grad_inputs, record.run_after(grad_outputs, grad_inputs)
-    return [o if n is None else n for o, n in zip(old, new) if o is not None]
+            return grad_outputs, record.run_before(grad_outputs)
+        return grad_inputs, record.run_after(grad_outputs, grad_inputs)
 
 
 def _observe_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
                   grad_inputs: list[torch.Tensor | None]) -> None:
     """A point whose actions only observe (`_Slimmer`): the routines run on
     the gradients, nothing is passed on."""
-    record = _POINTS[handle]
-    with torch.no_grad():
-        if point == 0:
-            record.run_before(grad_outputs)
-        else:
-            record.run_after(grad_outputs, grad_inputs)
+    _run_point(handle, point, grad_outputs, grad_inputs)
 
 
 def _point_impl(handle: int, point: int, grad_outputs: list[torch.Tensor | None],
                 grad_inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    record = _POINTS[handle]
-    with torch.no_grad():
-        if point == 0:
-            old, new = grad_outputs, record.run_before(grad_outputs)
-        else:
-            old, new = grad_inputs, record.run_after(grad_outputs, grad_inputs)
+    old, new = _run_point(handle, point, grad_outputs, grad_inputs)
     return [_fresh(n if n is not None else o, o) for o, n in zip(old, new) if o is not None]
 
 
