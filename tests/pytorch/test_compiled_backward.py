@@ -219,8 +219,9 @@ MORE_PROGRAMS = {"reuse": _reuse_program, "gelu": _gelu_program}
 
 def _train(program, backend, tool, steps=2):
     """Runs ``steps`` SGD steps inside ``apply(tool)`` (no tool: outside
-    amanda); returns the model and the gradients of the last step. An
-    eager fallback is an error."""
+    amanda; a tuple: those tools together); returns the model and the
+    gradients of the last step. An eager fallback is an error."""
+    tools = tool if isinstance(tool, tuple) else (tool,)
     model, run, (x, y) = {**PROGRAMS, **MORE_PROGRAMS}[program](backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fallbacks = copy.copy(pytorch_compiled.EAGER_FALLBACKS)
@@ -232,7 +233,7 @@ def _train(program, backend, tool, steps=2):
                 loss = run(x, y)
                 loss.backward()
             else:
-                with amanda.apply(tool):
+                with amanda.apply(*tools):
                     loss = run(x, y)
                     loss.backward()
             grads = [p.grad.clone() for p in model.parameters()]
@@ -443,6 +444,26 @@ def test_amandas_backward_tools_compute_eagers_answer(name, program):
     model, grads = _train(program, "aot_eager", compiled)
     assert _tool_summary(name, compiled) == _tool_summary(name, eager)
     assert all(_same(a, b) for a, b in zip(grads, eager_grads))
+    assert _same_parameters(model, eager_model)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_accumulations_are_eagers_beside_a_pruner(program):
+    """The pruner masks each weight with a portable routine (``weight *
+    mask`` traced into the graph), whose results carry no value in the
+    graph: the owner of the weight's ``AccumulateGrad`` read them as no
+    tensor, so the weight had no ``AccumulateGrad`` points and the bias had
+    the weight's (``input1`` for ``input2``). Seen through the routine's
+    call, both are eager's."""
+    def tools():
+        return CountBackward(), Pruner("unstructured", sparsity=0.5, mask_grads=True)
+    eager, compiled = tools(), tools()
+    eager_model, _ = _train(program, None, eager)
+    model, _ = _train(program, "aot_eager", compiled)
+    assert compiled[0].executions == eager[0].executions
+    assert compiled[0].names == eager[0].names
+    indices = {n[2] for n in eager[0].names.values() if n[1] == "AccumulateGrad"}
+    assert indices == {"input1", "input2"}
     assert _same_parameters(model, eager_model)
 
 

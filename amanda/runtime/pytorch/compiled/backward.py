@@ -1001,7 +1001,6 @@ def _first_readers(joint):
         if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
             params[node] = position
     owners = {}
-    replace = _replace_op()
     for name, node in joint.lifted.nodes.items():
         args = []
         for arg in list(node.args) + list(node.kwargs.values()):
@@ -1010,9 +1009,7 @@ def _first_readers(joint):
         for arg in args:
             if not isinstance(arg, torch.fx.Node):
                 continue
-            while (arg.target is operator.getitem and isinstance(arg.args[0], torch.fx.Node)
-                   and arg.args[0].target is replace):
-                arg = arg.args[0].args[1][arg.args[1]]
+            arg = _before_routines(arg)
             if not isinstance(_value(arg), torch.Tensor):
                 continue
             position = params.get(arg)
@@ -1020,6 +1017,24 @@ def _first_readers(joint):
                 owners[position] = (name, index)
             index += 1
     return owners
+
+
+def _before_routines(arg):
+    """What ``arg`` was before amanda's forward routines replaced it, seen
+    through the results of ``amanda::replace`` (a Python routine) and of a
+    portable routine's call (the pruner's ``weight * mask``). The latter's
+    ``getitem`` results carry no value: read as no tensor, the weight was
+    skipped, and the bias got the weight's input position."""
+    replace = _replace_op()
+    while arg.target is operator.getitem and isinstance(arg.args[0], torch.fx.Node):
+        call, index = arg.args
+        if call.target is replace:
+            arg = call.args[1][index]
+        elif getattr(call.target, "amanda_portable", False):
+            arg = call.args[index]
+        else:
+            break
+    return arg
 
 
 def _items(graph, call, count):

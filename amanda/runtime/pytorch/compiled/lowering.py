@@ -143,6 +143,7 @@ def _portable_call(routine, count, names):
         return tuple(old if v is None or v is g else (v if routine.action.ad else _straight(old, v))
                      for old, g, v in zip(tensors, given, new))
     call.__name__ = routine.__name__
+    call.amanda_portable = True     # its results replace its first arguments (backward._first_readers)
     return call
 
 
