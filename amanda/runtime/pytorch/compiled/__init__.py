@@ -54,6 +54,8 @@ from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
 from amanda.runtime.pytorch.compiled import sites as _sites
 from amanda.runtime.pytorch.compiled.backward import (backward_compiler, runs_aot_autograd,
                                                       supports_backward)
+from amanda.runtime.pytorch.compiled.distributed import (active_ddp, hidden_from_dynamo,
+                                                         split_at_buckets)
 from amanda.runtime.pytorch.compiled.graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
     _MODULE_FILE,
@@ -522,8 +524,11 @@ class _WatchedFrames:
         _tls.unsupported = None
         _tls.owner = _owner(frame, call)
         _tls.scope = {"L": frame.f_locals, "G": frame.f_globals}   # Dynamo's sources' roots
+        _tls.ddp = ddp = active_ddp()   # amanda splits the graph after instrumenting it
         try:
-            with _sites.tracing():        # nodes get the sites eager gives their ops
+            # nodes get the sites eager gives their ops; Dynamo's DDPOptimizer
+            # does not cut the graph before amanda has it (InstrumentingBackend)
+            with _sites.tracing(), hidden_from_dynamo(ddp):
                 result = self.inner(frame, cache_entry, frame_state)
         except Exception as error:
             cause = _amanda_cause(error)
@@ -531,7 +536,7 @@ class _WatchedFrames:
                 raise
             raise cause      # the tool's error (its cause chained), not Dynamo's wrapper
         finally:
-            _tls.breaks = _tls.owner = _tls.scope = None
+            _tls.breaks = _tls.owner = _tls.scope = _tls.ddp = None
         reason = _tls.unsupported or _outside_graphs(frame, result, breaks, call)
         _tls.unsupported = None
         if reason is None:
@@ -594,6 +599,10 @@ class InstrumentingBackend:
             # let a session with backward routines get here) and runs outside
             # eager's mode
             compiler = backward_compiler(compiler, self.session, lifted, plan)
+        ddp = getattr(_tls, "ddp", None)
+        if ddp is not None:
+            # DDPOptimizer's pieces, cut from the instrumented graph (compiled.distributed)
+            compiler = split_at_buckets(compiler, ddp)
         compiled = with_constants(compiler(gm, list(example_inputs) + constants, **kwargs),
                                   constants)
         if self.caller is None or not lifted.counts:

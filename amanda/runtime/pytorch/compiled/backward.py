@@ -49,6 +49,7 @@ import torch.fx
 
 from amanda import controls
 from amanda.context import OpContext
+from amanda.runtime.pytorch.compiled.distributed import WHOLE_NAME
 from amanda.runtime.pytorch.compiled.graphs import NAMESPACE
 from amanda.runtime.pytorch.eager.records import BackwardOp, _stable_id
 from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _invoke, _meta
@@ -215,6 +216,10 @@ class _Joint:
         self.lifted = lifted
         self.plan = plan
         self.dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # node -> its name in the instrumented Dynamo graph, which the lifted
+        # ops name: ``gm`` may be a piece of it that DDPOptimizer cut, whose
+        # nodes have other names (compiled.distributed)
+        self.whole_names = {n.name: n.meta.get(WHOLE_NAME, n.name) for n in gm.graph.nodes}
         self.ops = {}          # seq_nr -> _ForwardOp
         # the forward graph, by node name (`_destination`)
         self.primal_positions = {}   # placeholder -> position
@@ -433,7 +438,7 @@ def _read_forward(gm, joint):
         # compiler's decompositions make several nodes of one seq_nr, each
         # naming the op they decompose)
         node = next((n for n in group if _is_own_aten(n)), None)
-        lifted = _lifted_name(node or group[0], joint.lifted)
+        lifted = _lifted_name(node or group[0], joint)
         if lifted is None:
             continue           # amanda's routines, or a node of AOTAutograd's own
         if node is None:
@@ -453,12 +458,14 @@ def _is_own_aten(node):
     return original is None or str(original) == str(node.target)
 
 
-def _lifted_name(node, lifted):
+def _lifted_name(node, joint):
     """The lifted op a forward aten node comes from (``meta["from_node"]``:
     the Dynamo node), or None."""
+    lifted = joint.lifted
     sources = node.meta.get("from_node") or []
     for source in reversed(sources):
         name = getattr(source, "name", None)
+        name = joint.whole_names.get(name, name)
         if name in lifted.nodes:
             return name
         if name in lifted.replacements:
@@ -995,11 +1002,11 @@ def _first_readers(joint):
     the first lifted op that reads it, for the parameters (leaves that
     require grad), seen through amanda's forward routines."""
     from amanda.runtime.pytorch.compiled.graphs import _value
-    params = {}
+    params = {}      # name in the whole Dynamo graph -> position
     for position, node in enumerate(joint.dynamo_placeholders):
         value = _value(node)
         if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
-            params[node] = position
+            params[joint.whole_names[node.name]] = position
     owners = {}
     for name, node in joint.lifted.nodes.items():
         args = []
@@ -1012,7 +1019,7 @@ def _first_readers(joint):
             arg = _before_routines(arg)
             if not isinstance(_value(arg), torch.Tensor):
                 continue
-            position = params.get(arg)
+            position = params.get(arg.name)
             if position is not None and position not in owners:
                 owners[position] = (name, index)
             index += 1
