@@ -3,7 +3,7 @@
 While amanda is applied, every call of a compiled callable goes through
 Dynamo's ``_callback_from_stance``, the function that picks the callback
 (the compiler) for the call. amanda wraps it (`install`/`uninstall`) and picks
-one of three ways for each call:
+one of four ways for each call:
 
 * **instrumented** (the thread is inside ``apply``, the tools have forward
   routines only): the call gets a callback of its own per (session, user's
@@ -25,6 +25,12 @@ one of three ways for each call:
   callable then stays eager inside ``apply`` (counted in `EAGER_FALLBACKS`);
 * **vanilla** (inside ``amanda.disabled()``): the user's callback, with the
   eager machinery out of the way: the vanilla compiled code runs;
+* **DDP's forward eagerly, its module instrumented and compiled**
+  (``torch.compile(ddp_model)``; Dynamo too runs DDP's own forward as
+  Python between graph breaks and compiles the module it wraps:
+  `compiled.distributed`). A frame converted while a DDP forward runs is
+  instrumented whole, then cut at DDP's buckets as Dynamo's DDPOptimizer
+  would cut it;
 * **eager** (everything the compiled path cannot do: tools with backward
   routines or graph tools, another thread's compiled code, an unexpected
   Dynamo layout): no callback, i.e. Dynamo's ``force_eager``: the Python code
@@ -54,7 +60,8 @@ from amanda.errors import BackendError, EagerFallbackWarning, user_stacklevel
 from amanda.runtime.pytorch.compiled import sites as _sites
 from amanda.runtime.pytorch.compiled.backward import (backward_compiler, runs_aot_autograd,
                                                       supports_backward)
-from amanda.runtime.pytorch.compiled.distributed import (active_ddp, hidden_from_dynamo,
+from amanda.runtime.pytorch.compiled.distributed import (active_ddp, ddp_of_compiled_call,
+                                                         hidden_from_dynamo, run_module_compiled,
                                                          split_at_buckets)
 from amanda.runtime.pytorch.compiled.graphs import (  # noqa: F401 (re-exported)
     _FUNCTION,
@@ -158,6 +165,16 @@ def _pick_callback(callback):
     elif _EAGER.get(id(callback)) is callback:
         return None            # Dynamo breaks its graph: it runs eagerly inside apply
     else:
+        ddp = ddp_of_compiled_call(st.modules[-1]() if st.modules else None, callback)
+        if ddp is not None:
+            # torch.compile(ddp_model): DDP's forward runs eagerly and the module it
+            # wraps compiled, as Dynamo splits the call (compiled.distributed)
+            cleanups = _caller_cleanups()
+            if cleanups is None:
+                _note_fallback(callback, "a Dynamo call layout amanda does not know")
+                return None
+            run_module_compiled(st.modules[-1](), ddp, cleanups)
+            return None
         caller = _caller(st, callback)
         if not _within_dynamo_limit(st, session, callback, caller):
             return None        # Dynamo would refuse one more version in the middle of the call
