@@ -88,7 +88,7 @@ class _Given:
         self.data = data
         self._model = model
         self.file = file
-        self.ahead = None   # (level key, folder, path) optimised before loading
+        self.ahead = None   # `_Ahead`: optimised by onnxruntime before or while loading
 
     def model(self):
         if self._model is None:
@@ -100,6 +100,12 @@ class _Given:
             else:
                 self._model = load_model(self.data)
         return self._model
+
+    def size(self):
+        """The model's size in bytes as given (None: unknown, external data)."""
+        if self.data is not None:
+            return len(self.data)
+        return self.file[1] if self.file is not None else None
 
     def release(self):
         """Drop the loaded model (kept while the bytes are: they are the user's)."""
@@ -113,12 +119,7 @@ class _Given:
         every object of the process (tens of milliseconds with onnx and
         numpy loaded, 0.2 s with torch), more than the session creation
         itself."""
-        if self.data is not None:
-            size = len(self.data)
-        elif self.file is not None:
-            size = self.file[1]
-        else:
-            size = None
+        size = self.size()
         if size is None or size >= PROMPT_FREE_BYTES:
             gc.collect()
 
@@ -202,10 +203,9 @@ def _instrumented(session, source, ahead=None):
     by the SHA-256 of the model; the `_Given` model of this call).
 
     ``ahead`` (`_ahead`), on a miss for a model onnxruntime reads from the
-    user's file or bytes: onnxruntime optimises it before it is loaded for
-    instrumentation (then it would run beside the loaded model and the IR
-    graph, which refers to it); if the routines turn out not to be
-    observe-only, that optimisation was wasted."""
+    user's file or bytes: onnxruntime optimises it while (or, large, before)
+    it is loaded for instrumentation (`_Ahead`); if the routines turn out
+    not to be observe-only, that optimisation was wasted."""
     stat = os.stat(source) if isinstance(source, (str, os.PathLike)) else None
     key, data, model, from_file = _model_key(source, stat)
     file = (os.fspath(source), stat.st_size, stat.st_mtime_ns) if from_file else None
@@ -217,11 +217,18 @@ def _instrumented(session, source, ahead=None):
     del data, model
     if ahead is not None and (given.file is not None or given.data is not None):
         given.release()
-        try:
-            given.ahead = ahead(given.for_onnxruntime())
-        except Exception:   # reported as without it: by instrumenting, or by the session
-            given.ahead = None
-    lowered, lowering = _instrument(given.model(), session, callbacks=True, apart=True)
+        given.ahead = _Ahead(ahead, given.for_onnxruntime(), given.size())
+    try:
+        lowered, lowering = _instrument(given.model(), session, callbacks=True, apart=True)
+    except BaseException:
+        if given.ahead is not None:   # no optimisation left running behind an error
+            given.ahead.discard()
+        raise
+    if given.ahead is not None and not (lowering is not None and lowering.side_only):
+        # not observe-only: the optimised model is not used; let the
+        # optimisation finish rather than compete with the session's creation
+        given.ahead.discard()
+        given.ahead = None
     if lowering is None:
         # nothing recorded: sessions read the model from what the user gives
         # them, which hashes to this key (no copy is kept)
@@ -351,16 +358,67 @@ def _optimise_into(folder, data, options, own, providers, provider_options, kwar
 OPTIMISED_WEIGHTS = "optimised.weights"
 
 
-def _ahead(providers, provider_options, kwargs):
-    """For a session without the user's options: a function optimising the
-    model (a path or bytes) before it is loaded for instrumentation (see
-    `_instrumented`), returning ``(level key, folder, ModelProto)``."""
+def _ahead(sess_options, providers, provider_options, kwargs):
+    """A function optimising the model (a path or bytes) for `_Ahead`, as
+    the session's options say (amanda's own when ``sess_options`` is None),
+    returning ``(level key, folder, ModelProto)``."""
     def optimise(source):
-        options = session_options(None)
+        options = session_options(sess_options)
         level = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
-        return (level,) + _optimised_by_onnxruntime(source, options, True, providers,
-                                                    provider_options, kwargs)
+        return (level,) + _optimised_by_onnxruntime(source, options, sess_options is None,
+                                                    providers, provider_options, kwargs)
+    optimise.own = sess_options is None
     return optimise
+
+
+#: a model at most this large (bytes) is optimised by onnxruntime while amanda
+#: lifts and analyses it (`_Ahead`); a larger one first, then loaded
+OVERLAP_BYTES = 1 << 26
+
+
+class _Ahead:
+    """The model as onnxruntime optimises it (``optimise(source)``: see
+    `_ahead`), made before amanda loads the model or, for a model of at most
+    `OVERLAP_BYTES`, on a thread while amanda lifts and analyses it:
+    onnxruntime releases the GIL while it builds a session, so its
+    optimisation and amanda's Python work share the wall time. A larger
+    model is optimised first with amanda's own options (their weights stay
+    on disk, see `_optimise_into`), so the optimising session and the loaded
+    model never coexist; with the user's options (weights written into the
+    optimised model) it is optimised after instrumenting, when the side
+    branches need it (`_side_branch_model`). `result` is None when the
+    optimisation failed (the failure is reported later, by instrumenting or
+    by the session) or was left for later."""
+
+    def __init__(self, optimise, source, size):
+        self._result = None
+        self._thread = None
+        if size is not None and size <= OVERLAP_BYTES:
+            self._thread = threading.Thread(target=self._run, args=(optimise, source),
+                                            name="amanda-onnx-optimise", daemon=True)
+            self._thread.start()
+        elif optimise.own:
+            self._run(optimise, source)
+
+    def _run(self, optimise, source):
+        try:
+            self._result = optimise(source)
+        except Exception:   # noqa: BLE001 - see the class
+            self._result = None
+
+    def result(self):
+        """``(level key, folder, ModelProto)`` or None, once it is made."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._result
+
+    def discard(self):
+        """Wait for it and remove its folder: it is not used."""
+        result = self.result()
+        self._result = None
+        if result is not None:
+            result[1].cleanup()
 
 
 def _timed(graph):
@@ -392,9 +450,12 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
     found = hit.optimised.get(key)
     if found is None:
         graph, model = hit.side_graph(given, session)
-        if given.ahead is not None and given.ahead[0] == key[:3]:
-            folder, optimised = given.ahead[1:]
+        ahead = given.ahead.result() if given.ahead is not None else None
+        if ahead is not None and ahead[0] == key[:3]:
+            folder, optimised = ahead[1:]
         else:
+            if ahead is not None:
+                given.ahead.discard()
             folder, optimised = _optimised_by_onnxruntime(
                 given.for_onnxruntime(), options, own, providers, provider_options, kwargs)
         given.ahead = None
@@ -446,6 +507,7 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             found = data, bound[0], eager, shared, lean
             del views, bound, fallback
         except _NotSide:
+            folder.cleanup()   # (cleaning up twice is harmless)
             found = b"", None, False, {}, None
         hit.optimised[key] = found
     return found if found[0] else (None, None, False, {}, None)
@@ -595,8 +657,8 @@ def _show_inner(session):
 
 def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
                         provider_options, **kwargs):
-    hit, given = _instrumented(sessions[-1], path_or_bytes, None if sess_options is not None
-                               else _ahead(providers, provider_options, kwargs))
+    hit, given = _instrumented(sessions[-1], path_or_bytes,
+                               _ahead(sess_options, providers, provider_options, kwargs))
     if not hit.callbacks:
         del given
         return _original_init(self, path_or_bytes if hit.data is None else hit.data,
