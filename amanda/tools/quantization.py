@@ -27,7 +27,7 @@ Backends (through :class:`~amanda.tools.mapping.MappingTool` and
 :data:`~amanda.tools.mapping_rules.WEIGHT_RULES` plus this module's
 :data:`CHANNEL_RULES`):
 
-* *eager* namespaces (PyTorch): routines run at every execution, so QAT
+* *eager* and *compiled* namespaces (PyTorch): routines run at every execution, so QAT
   tracks the weights as they train (weight ranges are re-measured before each
   use) and, until :meth:`QuantizationTool.freeze`, keeps observing activation
   ranges. No calibration is needed to start QAT.
@@ -301,7 +301,11 @@ CHANNEL_RULES = [["", _channel_rule]]
 
 
 def _is_eager(context):
-    return context.namespace.endswith("/eager")
+    """Whether the op's routines run at every execution, reading the tensors
+    they are given then: PyTorch eager and compiled graphs (where the
+    fake-quant routine's scale and zero point are inputs of the graph, the
+    tensors `QParams.update` changes in place), not a rewritten TF graph."""
+    return context.namespace.endswith(("/eager", "/compiled"))
 
 
 def _converter(context):

@@ -26,7 +26,9 @@ from amanda.runtime.pytorch.compiled import backward  # noqa: E402
 from amanda.tools.coverage import CoverageTool  # noqa: E402
 from amanda.tools.debugging import NanDetector  # noqa: E402
 from amanda.tools.flops import FlopsProfiler  # noqa: E402
+from amanda.tools.profiler import OpProfiler  # noqa: E402
 from amanda.tools.pruning import Pruner  # noqa: E402
+from amanda.tools.quantization import QuantizationTool  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("compiled_path_fresh_dynamo")   # tests/conftest.py
 
@@ -423,13 +425,27 @@ def _tool_summary(name, tool):
         return {key[1:]: (r["type"], r["flops"], r["calls"]) for key, r in tool.records.items()}
     if name == "nan":
         return tool.executions, tool.report
+    if name == "qat":
+        # scales and zero points by (op id, weight | activation), after the steps
+        return {(key[1], kind): tuple(np.asarray(t).tobytes() for t in (q.scale, q.zero_point))
+                for (key, kind), q in tool.qparams.items()}
+    if name == "profiler":
+        # every timed execution: what was timed, not how long it took
+        return collections.Counter(
+            (i.phase, i.name, i.type, i.op_id, i.backward_op_id, i.module, str(i.shapes))
+            for i, _, _ in tool.events)
     return dict(tool.forward), dict(tool.backward)
 
 
 TOOLS = {"pruner": lambda: Pruner("unstructured", sparsity=0.5, mask_grads=True),
          "flops": lambda: FlopsProfiler(backward=True),
          "nan": NanDetector,
-         "coverage": CoverageTool}
+         "coverage": CoverageTool,
+         # QAT: fake-quantized weights and activations (portable routines whose
+         # scale and zero point the Python trackers before them update in place),
+         # straight-through gradients
+         "qat": QuantizationTool,
+         "profiler": OpProfiler}
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -437,14 +453,19 @@ TOOLS = {"pruner": lambda: Pruner("unstructured", sparsity=0.5, mask_grads=True)
 def test_amandas_backward_tools_compute_eagers_answer(name, program):
     """amanda's tools with backward routines in a compiled training step
     (``aot_eager``): the pruner's masks and its masked gradients, the FLOPs
-    table with backward ops, the NaN finder's checks, the coverage counts
-    and the parameters after the steps are eager's, bit for bit."""
+    table with backward ops, the NaN finder's checks, the coverage counts,
+    QAT's scales and zero points, the profiler's timed executions and the
+    parameters after the steps are eager's, bit for bit."""
     eager, compiled = TOOLS[name](), TOOLS[name]()
     eager_model, eager_grads = _train(program, None, eager)
     model, grads = _train(program, "aot_eager", compiled)
+    assert _tool_summary(name, eager)                      # the tool did record
     assert _tool_summary(name, compiled) == _tool_summary(name, eager)
     assert all(_same(a, b) for a, b in zip(grads, eager_grads))
     assert _same_parameters(model, eager_model)
+    if name in ("pruner", "qat"):                          # the tool changed the step
+        vanilla_model, _ = _train(program, "aot_eager", None)
+        assert not _same_parameters(model, vanilla_model)
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -614,3 +635,45 @@ def test_idle_points_leave_the_backward_graph_after_their_analysis():
     first, *later = _points_per_step(Identity())
     assert first.get("amanda.backward_point", 0) > 10
     assert all("amanda.backward_point" not in step for step in later)
+
+
+class ChainOnOneOp(amanda.Tool):
+    """QAT's chain of routines before a linear: a portable routine replacing
+    input 0, then a Python routine and a portable one selecting input 1 (the
+    weight), each seeing what the previous one handed on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+        self.scale = torch.tensor(0.05)
+        self.add_inst_for_op(self.analysis)
+
+    def analysis(self, context):
+        if context.get_op_name() != "linear":
+            return
+        context.insert_before_op(_half_input, inputs=[0])
+        context.insert_before_op(self.look, inputs=[1])
+        context.insert_before_op(_rounded, inputs=[1], scale=self.scale)
+        context.insert_before_op(self.look, inputs=[0, 1])
+
+    def look(self, *tensors):
+        self.seen.append([t.detach().clone() for t in tensors])
+
+
+_half_input = amanda.portable.routine(lambda x: x * 0.5)
+_rounded = amanda.portable.routine(lambda w, scale: torch.round(w / scale) * scale)
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_a_routine_after_a_replacement_selects_eagers_positions(program):
+    """A replacing routine's results were no tensors for the next routine's
+    selection in a compiled graph (no example value): after input 0 was
+    replaced, ``inputs=[1]`` received the bias instead of the weight."""
+    eager, compiled = ChainOnOneOp(), ChainOnOneOp()
+    eager_model, _ = _train(program, None, eager)
+    model, _ = _train(program, "aot_eager", compiled)
+    assert len(compiled.seen) == len(eager.seen) > 0
+    for got, want in zip(compiled.seen, eager.seen):
+        assert [t.shape for t in got] == [t.shape for t in want]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _same_parameters(model, eager_model)

@@ -170,7 +170,7 @@ def _emit(graph, action, selected, where, observe_only, anchors):
         names, constants = _constants(graph, action)
         call = graph.call_function(_portable_call(routine, len(selected), names),
                                    tuple(selected) + tuple(constants))
-        return _items(graph, call, len(selected))
+        return _items(graph, call, len(selected), selected)
     if action.ad:
         raise BackendError(f"routine {routine.__name__} of op {where[0]!r} was recorded under "
                            "amanda.ad_enabled(), but compiled graphs can differentiate portable "
@@ -182,7 +182,7 @@ def _emit(graph, action, selected, where, observe_only, anchors):
         graph.call_function(ops["observe"], (handle, list(selected), list(anchors)))
         return None
     call = graph.call_function(ops["replace"], (handle, list(selected)))
-    return _items(graph, call, len(selected))
+    return _items(graph, call, len(selected), selected)
 
 
 def _constants(graph, action):
@@ -217,11 +217,16 @@ def with_constants(compiled, constants):
     return call
 
 
-def _items(graph, call, count):
-    """getitem nodes reading the results of ``call``, placed right after it."""
+def _items(graph, call, count, like=()):
+    """getitem nodes reading the results of ``call``, placed right after it;
+    the i-th has the example value of ``like[i]`` (the tensor it replaces:
+    a replacement has its original's metadata), so later passes over the
+    graph see it as a tensor."""
     items, previous = [], call
     for i in range(count):
         item = graph.call_function(operator.getitem, (call, i))
+        if i < len(like) and "example_value" in like[i].meta:
+            item.meta["example_value"] = like[i].meta["example_value"]
         previous.append(item)
         items.append(item)
         previous = item
@@ -265,8 +270,11 @@ def insert_actions(gm, lifted, plan):
         where = (entry.op.type, lifted.op_ids[name], NAMESPACE)
         if entry.replace:
             _check_replaceable(node, where)
+        # the op's tensor inputs, positions fixed by the op itself: a routine
+        # that replaced some of them hands the next one the replacements at
+        # the same positions (as eagerly)
+        inputs = _tensor_args(node)
         for action in entry.before:
-            inputs = _tensor_args(node)
             chosen = _selected(inputs, action, where)
             with graph.inserting_before(node):
                 new = _emit(graph, action, chosen, where, _observes(action), inputs)
@@ -274,6 +282,7 @@ def insert_actions(gm, lifted, plan):
                 mapping = dict(zip(chosen, new))
                 node.args = torch.fx.node.map_arg(node.args, lambda n: mapping.get(n, n))
                 node.kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: mapping.get(n, n))
+                inputs = [mapping.get(n, n) for n in inputs]
         if entry.replace:
             node = _insert_replacement(graph, node, entry.replace[0], where)
             if entry.replace[0].ad:
