@@ -105,6 +105,40 @@ class EagerTrace:
         self._values[id(tensor)] = (weakref.ref(tensor), value)
         return value
 
+    def splice(self, graph, op_ids, modules, inputs, outputs):
+        """Record the ops of a compiled graph that just ran, as if they had
+        run eagerly: ``graph`` is its lifted IR graph, ``op_ids`` and
+        ``modules`` eager's id and module path of each of its ops (by name),
+        ``inputs`` the real tensors of its inputs (by IR name; a missing one
+        is a new graph input) and ``outputs`` ``(IR tensor, real tensor)``
+        pairs of what it returned, which later ops then read. A graph whose
+        op ids the step has seen starts the next step, as an eager op would.
+        The spliced ops have no backward ops: a compiled graph's autograd
+        nodes are AOTAutograd's, not eager's."""
+        ids = [op_ids[op.name] for op in graph.ops]
+        if any(op_id in self._op_ids for op_id in ids):
+            self.finish()
+        values = {}
+        for tensor in graph.inputs:
+            real = inputs.get(tensor.name)
+            if isinstance(real, torch.Tensor):
+                values[tensor] = self._value_of(real, None)
+        for op, op_id in zip(graph.ops, ids):
+            self._op_ids.add(op_id)
+            reads = [values[t] if t in values else self._new_input(t) for t in op.inputs]
+            spliced = self.graph.create_op(op.type, reads, num_outputs=len(op.outputs),
+                                           attrs={"op_id": op_id, "module": modules.get(op.name)})
+            for old, new in zip(op.outputs, spliced.outputs):
+                new.attrs.update({k: old.attrs[k] for k in ("shape", "dtype") if k in old.attrs})
+                values[old] = new
+        for tensor, real in outputs:
+            if tensor in values and isinstance(real, torch.Tensor):
+                self._values[id(real)] = (weakref.ref(real), values[tensor])
+
+    def _new_input(self, tensor):
+        attrs = {k: tensor.attrs[k] for k in ("shape", "dtype") if k in tensor.attrs}
+        return self.graph.add_input("input", kind="input", **attrs)
+
     def alias(self, tensors, values):
         """Make replaced tensors (after-op routines) stand for the same IR values."""
         for tensor, value in zip(tensors, values):

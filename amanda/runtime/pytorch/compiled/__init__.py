@@ -149,10 +149,6 @@ def _pick_callback(callback):
         # analysis at every execution: a compiled graph is analysed once
         _note_fallback(callback, _UNCACHED)
         return None
-    elif session.requires_graph:
-        # whole graphs: the eager runtime (see the docs)
-        _note_fallback(callback, "the tools ask for whole graphs")
-        return None
     elif session.has_backward and not supports_backward(_user_compiler(callback)):
         # backward points are put in AOTAutograd's backward graphs, which
         # amanda makes for the compilers it knows only
@@ -597,6 +593,7 @@ class InstrumentingBackend:
             return gm.forward
         plan = analyse(lifted, self.session, gm, example_inputs)
         self.graphs += 1
+        spliced = _Spliced.of(lifted, gm) if self.session.requires_graph else None
         if plan:
             gm = _own_copy(gm, lifted)
             try:
@@ -622,9 +619,57 @@ class InstrumentingBackend:
             compiler = split_at_buckets(compiler, ddp)
         compiled = with_constants(compiler(gm, list(example_inputs) + constants, **kwargs),
                                   constants)
+        if spliced is not None:
+            compiled = spliced.around(compiled)
         if self.caller is None or not lifted.counts:
             return compiled
         return _Counted(compiled, lifted.counts)
+
+
+class _Spliced:
+    """For tools that ask for whole graphs (``requires_graph``): each run of
+    a compiled graph is recorded in the step's eager trace as the ops it
+    ran (`EagerTrace.splice`), so the step's graph, handed to the tools when
+    the step ends, is eager's, whether its ops ran compiled or eagerly."""
+
+    __slots__ = ("graph", "op_ids", "modules", "positions", "constants", "outputs")
+
+    @classmethod
+    def of(cls, lifted, gm):
+        self = cls()
+        self.graph, self.op_ids, self.modules = lifted.graph, lifted.op_ids, lifted.module_paths
+        # IR input name -> position among the compiled graph's arguments (its
+        # placeholders, in order), or the module attribute a get_attr reads
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.positions = {n.name: i for i, n in enumerate(placeholders)}
+        self.constants = {}
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                try:
+                    self.constants[node.name] = gm.get_parameter(node.target)
+                except AttributeError:
+                    self.constants[node.name] = getattr(gm, node.target, None)
+        results = torch.fx.node.map_aggregate(gm.graph.output_node().args[0], lambda n: n)
+        flat = results if isinstance(results, (list, tuple)) else [results]
+        self.outputs = [lifted.tensors.get(n) if isinstance(n, torch.fx.Node) else None
+                        for n in flat]
+        return self
+
+    def around(self, compiled):
+        from amanda.runtime.pytorch.eager import segments
+
+        def run(*args):
+            result = compiled(*args)
+            st = getattr(segments._tls, "state", None)
+            trace = st.cache.trace if st is not None and st.cache is not None else None
+            if trace is not None:
+                inputs = {name: args[i] for name, i in self.positions.items() if i < len(args)}
+                inputs.update(self.constants)
+                flat = result if isinstance(result, (list, tuple)) else [result]
+                trace.splice(self.graph, self.op_ids, self.modules, inputs,
+                             [(t, r) for t, r in zip(self.outputs, flat) if t is not None])
+            return result
+        return run
 
 
 class _Counted:

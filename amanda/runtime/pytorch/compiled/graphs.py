@@ -289,6 +289,9 @@ class LiftedGraph:
         #: (``replace_op`` under ``amanda.ad_enabled()``) -> that op's IR name:
         #: eagerly the autograd nodes it makes are the op's backward ops
         self.replacements = {}
+        #: fx node -> the IR tensor standing for its value (placeholders,
+        #: points' outputs, the getitems of their tuple results)
+        self.tensors = {}
 
 
 def lift_dynamo_graph(gm, owner=None, caller=None):
@@ -332,6 +335,10 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
             lifted.nodes[node.name] = node
             lifted.raw_ops[node.name] = raw
             lifted.op_ids[node.name], lifted.module_paths[node.name] = ids.of(node, raw, name)
+            # as an eager trace's op: tools keying ops by stable id (graph
+            # tools, `amanda.runtime.pytorch.tools.stable_op_id`) find eager's
+            op.attrs.update(op_id=lifted.op_ids[node.name], module=lifted.module_paths[node.name])
+            op.outputs[0].attrs.update(tensor_attrs(_value(node)))
             below = _module_path(node, root)[0]
             if below is None and caller is not None:
                 below = ""       # a compiled function's ops are in the calling module
@@ -345,6 +352,7 @@ def lift_dynamo_graph(gm, owner=None, caller=None):
             producers = [values[a] for a in node.all_input_nodes if a in values]
             if producers:
                 values[node] = producers[0]
+    lifted.tensors = values
     return lifted
 
 

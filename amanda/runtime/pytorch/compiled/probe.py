@@ -44,8 +44,8 @@ def analyse(lifted, session, gm, example_inputs):
     probe = _Probe(gm, lifted)
     probe.start(example_inputs)
     try:
-        # compiled graphs reach tools that want whole graphs or backward ops
-        # eagerly (`compiled`), so the graph is no whole program here
+        # a compiled graph is a part of a step: tools that want whole graphs
+        # get the step's trace, into which its runs are spliced (`_Spliced`)
         with _disable_current_modes(), torch.no_grad():
             plan, _ = instrument_graph(lifted.graph, session, probe, name="compiled graph",
                                        whole=False)
