@@ -26,6 +26,7 @@ from amanda.runtime.pytorch.compiled import backward  # noqa: E402
 from amanda.tools.coverage import CoverageTool  # noqa: E402
 from amanda.tools.debugging import NanDetector  # noqa: E402
 from amanda.tools.flops import FlopsProfiler  # noqa: E402
+from amanda.tools.identity import IdentityTool  # noqa: E402
 from amanda.tools.profiler import OpProfiler  # noqa: E402
 from amanda.tools.pruning import Pruner  # noqa: E402
 from amanda.tools.quantization import QuantizationTool  # noqa: E402
@@ -429,6 +430,8 @@ def _tool_summary(name, tool):
         # scales and zero points by (op id, weight | activation), after the steps
         return {(key[1], kind): tuple(np.asarray(t).tobytes() for t in (q.scale, q.zero_point))
                 for (key, kind), q in tool.qparams.items()}
+    if name.startswith("identity"):
+        return dict(tool.calls)
     if name == "profiler":
         # every timed execution: what was timed, not how long it took
         return collections.Counter(
@@ -445,7 +448,10 @@ TOOLS = {"pruner": lambda: Pruner("unstructured", sparsity=0.5, mask_grads=True)
          # scale and zero point the Python trackers before them update in place),
          # straight-through gradients
          "qat": QuantizationTool,
-         "profiler": OpProfiler}
+         "profiler": OpProfiler,
+         # routines handing back what they received at all four points
+         "identity": IdentityTool,
+         "identity-portable": lambda: IdentityTool(portable=True)}
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
@@ -454,18 +460,25 @@ def test_amandas_backward_tools_compute_eagers_answer(name, program):
     """amanda's tools with backward routines in a compiled training step
     (``aot_eager``): the pruner's masks and its masked gradients, the FLOPs
     table with backward ops, the NaN finder's checks, the coverage counts,
-    QAT's scales and zero points, the profiler's timed executions and the
-    parameters after the steps are eager's, bit for bit."""
+    QAT's scales and zero points, the profiler's timed executions, the
+    identity tool's calls and the parameters after the steps are eager's,
+    bit for bit; identity tools leave compiled vanilla's gradients."""
     eager, compiled = TOOLS[name](), TOOLS[name]()
     eager_model, eager_grads = _train(program, None, eager)
     model, grads = _train(program, "aot_eager", compiled)
-    assert _tool_summary(name, eager)                      # the tool did record
+    recorded = _tool_summary(name, eager)
+    if name != "identity-portable":                        # (a portable one counts nothing)
+        assert recorded and (name != "identity" or all(recorded.values()))
     assert _tool_summary(name, compiled) == _tool_summary(name, eager)
     assert all(_same(a, b) for a, b in zip(grads, eager_grads))
     assert _same_parameters(model, eager_model)
-    if name in ("pruner", "qat"):                          # the tool changed the step
-        vanilla_model, _ = _train(program, "aot_eager", None)
-        assert not _same_parameters(model, vanilla_model)
+    if name in ("pruner", "qat", "identity", "identity-portable"):
+        vanilla_model, vanilla_grads = _train(program, "aot_eager", None)
+        if name.startswith("identity"):                    # bit-exact to compiled vanilla
+            assert all(_same(a, b) for a, b in zip(grads, vanilla_grads))
+            assert _same_parameters(model, vanilla_model)
+        else:                                              # the tool changed the step
+            assert not _same_parameters(model, vanilla_model)
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
