@@ -691,14 +691,3 @@ def test_a_routine_after_a_replacement_selects_eagers_positions(program):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _same_parameters(model, eager_model)
 
-
-def test_with_compiled_autograd_switched_on_the_points_are_eagers(monkeypatch):
-    """``torch._dynamo.config.compiled_autograd`` on (docs: why amanda's
-    points are in AOTAutograd's graph): the counting tool still sees eager's
-    executions, and the step leaves eager's parameters."""
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
-    eager, compiled = CountBackward(), CountBackward()
-    eager_model, _ = _train("mlp", None, eager)
-    model, _ = _train("mlp", "aot_eager", compiled)
-    assert compiled.executions == eager.executions and eager.executions
-    assert _same_parameters(model, eager_model)
