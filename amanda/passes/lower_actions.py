@@ -27,20 +27,25 @@ from amanda.passes.manager import PassResult
 ROUTINE = "amanda.routine"
 
 
-def lower_actions(graph, plan):
+def lower_actions(graph, plan, *, in_place=False):
     """Return a copy of ``graph`` with every action of ``plan`` as a routine op.
 
     Args:
-        graph: the analysed :class:`amanda.ir.Graph` (left untouched).
+        graph: the analysed :class:`amanda.ir.Graph` (left untouched unless
+            ``in_place``).
         plan: its :class:`~amanda.passes.instrumentation.InstrumentationPlan`.
+        in_place: lower into ``graph`` itself instead of a copy. Only for a
+            caller that owns ``graph`` and reads it no more (a frontend that
+            lifted it for this one instrumentation): copying costs about as
+            much as lifting. The result is the same graph the copy would be.
 
     Returns:
-        A new graph. Routine ops carry ``attrs``: ``kind`` (the action kind),
-        ``routine`` and ``tool`` (names), ``target`` (the instrumented op's
-        name) and ``action`` (the :class:`~amanda.context.Action` itself, kept
-        in memory only).
+        A new graph (``graph`` itself when ``in_place``). Routine ops carry
+        ``attrs``: ``kind`` (the action kind), ``routine`` and ``tool``
+        (names), ``target`` (the instrumented op's name) and ``action`` (the
+        :class:`~amanda.context.Action` itself, kept in memory only).
     """
-    result = graph.copy()
+    result = graph if in_place else graph.copy()
     owned = _backward_ops_by_owner(result)
     by_name = {op.name: op for op in result.ops}
     for entry in plan.actions():
@@ -64,21 +69,25 @@ class LowerActionsPass:
         plan: the :class:`~amanda.passes.instrumentation.InstrumentationPlan` to
             lower, or the `InstrumentationPass` that makes it (its plan is read
             when this pass runs, so both can be queued in one manager).
+        in_place: lower into the input graph (see `lower_actions`).
 
-    The result's graph is always a new graph (the input is left untouched, as
-    `lower_actions` does); ``modified`` says whether any op carried actions.
+    The result's graph is a new graph (the input is left untouched, as
+    `lower_actions` does) unless ``in_place``; ``modified`` says whether any
+    op carried actions.
     """
 
     name = "lower_actions"
 
-    def __init__(self, plan):
+    def __init__(self, plan, *, in_place=False):
         self.source = plan
+        self.in_place = in_place
 
     def __call__(self, graph):
         plan = getattr(self.source, "plan", self.source)
         if plan is None:
             raise ValueError("lower_actions has no plan: run the instrumentation pass first")
-        return PassResult(lower_actions(graph, plan), bool(plan.actions()))
+        return PassResult(lower_actions(graph, plan, in_place=self.in_place),
+                          bool(plan.actions()))
 
 
 def _backward_ops_by_owner(graph):

@@ -14,7 +14,8 @@ lowering, through `instrument_graph`::
 * ``graph_completed`` hands the whole analysed graph to the tools that set
   ``requires_graph`` (graph tracing, effective path), on every backend.
 * ``lower_actions`` turns the actions into routine ops of a new graph
-  (`amanda.passes.lower_actions`); the analysed graph is left as it was.
+  (`amanda.passes.lower_actions`); the analysed graph is left as it was,
+  unless its caller owns it (``lower_in_place``) and no graph tool kept it.
 
 All of it is amanda's own work, so it runs inside `amanda.controls.muted`:
 an analysis routine's own tensor calls and sessions are not instrumented.
@@ -50,7 +51,7 @@ class GraphCompletedPass:
 
 
 def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="instrument",
-                     whole=True, forward=None):
+                     whole=True, forward=None, lower_in_place=False):
     """Runs the pipeline over an IR graph a frontend lifted.
 
     Args:
@@ -67,10 +68,13 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         forward: analysed forward ops of other graphs that backward ops of
             ``graph`` differentiate (a TF gradient function's body), as for
             `amanda.passes.instrumentation.run_instrumentation_pass`.
+        lower_in_place: the caller owns ``graph`` and reads it no more, so
+            routine ops may be lowered into it instead of into a copy. Not
+            done when graph tools received ``graph`` (they may keep it).
 
     Returns:
-        ``(plan, lowered)``: the :class:`InstrumentationPlan` and the new graph
-        with routine ops.
+        ``(plan, lowered)``: the :class:`InstrumentationPlan` and the graph
+        with routine ops (new unless lowered in place).
 
     Raises:
         ToolError: a tool's routine failed (names tool, routine, op); the note
@@ -78,8 +82,9 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         PassError: a pass broke the IR (named with the passes run before it).
     """
     analyse = InstrumentationPass(session, backend, plan, forward)
+    handed_out = whole and session.requires_graph
     passes = [analyse, *extras, *([GraphCompletedPass(session)] if whole else []),
-              LowerActionsPass(analyse)]
+              LowerActionsPass(analyse, in_place=lower_in_place and not handed_out)]
     with controls.muted():
         result = PassManager(passes, name=name)(graph)
     return analyse.plan, result.graph

@@ -14,6 +14,7 @@ from amanda.ir import Graph
 from amanda.passes import PassError, PassManager, PassResult
 from amanda.passes.instrumentation import GraphBackend, InstrumentationPass, _run_points
 from amanda.passes.lower_actions import ROUTINE, LowerActionsPass
+from amanda.passes.pipeline import instrument_graph
 from amanda.passes.rewrite import Pattern, RewritePass, RewriteResult, Rule, apply_rules, op
 from amanda.tool import FORWARD_AFTER, FORWARD_BEFORE, session_for
 
@@ -153,6 +154,42 @@ def test_instrumentation_and_lowering_as_passes():
     assert manager.history == [(1, "instrument", False), (1, "lower_actions", True)]
     assert [o.type for o in result.graph] == ["Relu", ROUTINE, "Relu", "Relu"]
     assert len(graph) == 3 and len(analyse.plan) == 1  # the input is untouched
+
+
+def test_lowering_in_place_gives_the_graph_a_copy_would_be():
+    """``in_place`` (for a caller that owns the graph) changes where the
+    routine ops go, never what the lowered graph is."""
+    def lowered(in_place):
+        graph = chain()
+        analyse = InstrumentationPass(session_for((ObserveRelu(),)), GraphBackend("test/1/graph"))
+        result = PassManager([analyse, LowerActionsPass(analyse, in_place=in_place)],
+                             debug=True)(graph)
+        return graph, result.graph
+
+    graph, copied = lowered(False)
+    owned, in_place = lowered(True)
+    assert copied is not graph and len(graph) == 3
+    assert in_place is owned and in_place.structural_hash() == copied.structural_hash()
+    assert str(in_place) == str(copied)
+
+
+def test_pipeline_lowers_in_place_only_graphs_no_graph_tool_kept():
+    class Whole(ObserveRelu):
+        def __init__(self):
+            super().__init__()
+            self.requires_graph = True
+
+        def graph_completed(self, graph):
+            self.kept = graph
+
+    backend = GraphBackend("test/1/graph")
+    graph = chain()
+    _, lowered = instrument_graph(graph, session_for((ObserveRelu(),)), backend,
+                                  lower_in_place=True)
+    assert lowered is graph and len(graph) == 4
+    graph, whole = chain(), Whole()
+    _, lowered = instrument_graph(graph, session_for((whole,)), backend, lower_in_place=True)
+    assert lowered is not graph and whole.kept is graph and len(graph) == 3
 
 
 def test_lowering_without_a_plan_is_a_pass_error():

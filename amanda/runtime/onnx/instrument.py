@@ -231,9 +231,11 @@ def _instrument(model, session, callbacks, apart=False):
         return PassResult(graph, False)
 
     analyse_bodies.name = "onnx_bodies"
+    # the lifted graph is this call's own (the probe reads it only during the
+    # analysis), so lowering may add the routine ops to it rather than a copy
     with _probing(_Probe(model, ir_graph, nodes)):   # evaluate() runs onnxruntime sessions
         plan, lowered = instrument_graph(ir_graph, session, backend, extras=[analyse_bodies],
-                                         name="onnx")
+                                         name="onnx", lower_in_place=True)
     if not plan and not any(bodies.values()):
         return None, None
     _lower_bodies(lowered, bodies)
