@@ -28,6 +28,10 @@ _PLAIN = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: 
           13: np.uint64, 14: np.complex64, 15: np.complex128}
 
 
+#: the little-endian NumPy dtype of each of them, made once
+_PLAIN_LE = {elem: np.dtype(dtype).newbyteorder("<") for elem, dtype in _PLAIN.items()}
+
+
 class _Malformed(Exception):
     pass
 
@@ -50,14 +54,24 @@ def _fields(data, start, end):
     field) of the message in ``data[start:end]``."""
     pos = start
     while pos < end:
-        tag, pos = _varint(data, pos)
+        # one-byte tags and lengths (fields below 16, values under 128
+        # bytes: names, shapes, most nodes) are read inline; a graph of a
+        # few hundred nodes and outputs is walked field by field
+        tag = data[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(data, pos)
         field, wire = tag >> 3, tag & 7
         if wire == 0:
             value, pos = _varint(data, pos)
         elif wire == 1:
             value, pos = None, pos + 8
         elif wire == 2:
-            size, pos = _varint(data, pos)
+            if pos < end and data[pos] < 0x80:
+                size, pos = data[pos], pos + 1
+            else:
+                size, pos = _varint(data, pos)
             value, pos = (pos, pos + size), pos + size
         elif wire == 5:
             value, pos = None, pos + 4
@@ -88,18 +102,18 @@ def _tensor(data, start, end):
             raw = value
         elif field == _TENSOR_LOCATION:
             external = value == 1
-    dtype = _PLAIN.get(elem)
+    dtype = _PLAIN_LE.get(elem)
     if name is None or raw is None or external or dtype is None:
         return None
     # int64 dims are two's complement varints: a negative one is invalid here
-    if any(d >= 1 << 63 for d in dims):
+    count = 1
+    for d in dims:
+        if d >= 1 << 63:
+            return None
+        count *= d
+    if count * dtype.itemsize != raw[1] - raw[0]:
         return None
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    itemsize = np.dtype(dtype).itemsize
-    if count * itemsize != raw[1] - raw[0]:
-        return None
-    array = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count,
-                          offset=raw[0])
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=raw[0])
     return name, array.reshape(dims)
 
 
