@@ -227,7 +227,11 @@ class _SideBranches(_Lowering):
         self._declared.add(name)
         if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
-        self.result.graph.output.append(self.value_info(tensor, name))
+        # made in place: appending a ValueInfoProto would copy it once more
+        info = self.result.graph.output.add(name=name)
+        onnx_type = self.onnx_type(tensor)
+        if onnx_type is not None:
+            info.type.CopyFrom(onnx_type)
         self._outputs.add(name)
 
     def name(self, tensor):
