@@ -94,3 +94,38 @@ def test_a_compiled_graph_run_twice_in_a_step_starts_the_next_step():
     assert len(tools[1].graphs) == len(tools[0].graphs) == 2
     assert [_forward(g) for g in tools[1].graphs] == [_forward(g) for g in tools[0].graphs]
     assert np.array_equal(compiled(x).detach().numpy(), model(x).detach().numpy())
+
+
+class _TwoCalls(torch.nn.Module):
+    """An eager model calling one compiled layer twice per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.compile(torch.nn.Linear(4, 4), backend="aot_eager")
+
+    def forward(self, x):
+        return torch.relu(self.layer(torch.relu(self.layer(x))))
+
+
+def test_a_compiled_layer_called_twice_in_an_eager_step_is_spliced_as_eagerly(monkeypatch):
+    """Each call's ops get the occurrence eager gives them: the step graphs
+    equal those of the same model with the compiled path off (every op
+    eager), and one step is not cut in two by the second call."""
+    from amanda.runtime.pytorch import compiled as pytorch_compiled
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    graphs = []
+    for enabled in (False, True):
+        monkeypatch.setattr(pytorch_compiled, "ENABLED", enabled)
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        model = _TwoCalls()
+        tool = GraphTracingTool(keep=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", amanda.EagerFallbackWarning)
+            with amanda.apply(tool):
+                model(x)
+                model(x)
+        graphs.append([_forward(g) for g in tool.graphs])
+    assert len(graphs[0]) == 2 and len(graphs[0][0]) == 4
+    assert graphs[1] == graphs[0]

@@ -224,8 +224,9 @@ def _instrumented(session, source, ahead=None):
         if given.ahead is not None:   # no optimisation left running behind an error
             given.ahead.discard()
         raise
-    if given.ahead is not None and not (lowering is not None and lowering.side_only):
-        # not observe-only: the optimised model is not used; let the
+    sides = lowering is not None and lowering.side_only and lowering.uses_callbacks
+    if given.ahead is not None and not sides:
+        # no side branches: the optimised model is not used; let the
         # optimisation finish rather than compete with the session's creation
         given.ahead.discard()
         given.ahead = None
@@ -233,7 +234,7 @@ def _instrumented(session, source, ahead=None):
         # nothing recorded: sessions read the model from what the user gives
         # them, which hashes to this key (no copy is kept)
         hit = _Instrumented(None)
-    elif lowering.side_only and lowering.uses_callbacks:
+    elif sides:
         # the optimised model with side branches is what runs (written per
         # optimisation level): no copy of the lowered model is kept
         del lowered

@@ -32,7 +32,7 @@ one of four ways for each call:
   instrumented whole, then cut at DDP's buckets as Dynamo's DDPOptimizer
   would cut it;
 * **eager** (everything the compiled path cannot do: tools with backward
-  routines or graph tools, another thread's compiled code, an unexpected
+  routines on a compiler without AOTAutograd, another thread's compiled code, an unexpected
   Dynamo layout): no callback, i.e. Dynamo's ``force_eager``: the Python code
   runs eagerly and amanda's eager runtime sees every op, as before this
   module existed. Points are never dropped silently.
