@@ -129,3 +129,27 @@ def test_a_compiled_layer_called_twice_in_an_eager_step_is_spliced_as_eagerly(mo
         graphs.append([_forward(g) for g in tool.graphs])
     assert len(graphs[0]) == 2 and len(graphs[0][0]) == 4
     assert graphs[1] == graphs[0]
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_effective_paths_cached_equal_cache_disabled(program):
+    """Cached (compiled, spliced) against ``cache_disabled()`` (analysis at
+    every execution: the callable runs eagerly, with a warning)."""
+    cached = EffectivePathTool(output=LOGITS[program])
+    _train(program, "aot_eager", cached)
+    uncached = EffectivePathTool(output=LOGITS[program])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amanda.EagerFallbackWarning)
+        with amanda.cache_disabled():
+            model, run, (x, y) = PROGRAMS[program]("aot_eager")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                optimizer.zero_grad()
+                with amanda.apply(uncached):
+                    run(x, y).backward()
+                optimizer.step()
+    want, got = uncached.paths, cached.paths
+    assert len(got) == len(want) == 2 * SAMPLES[program]
+    for a, b in zip(got, want):
+        assert a.label == b.label
+        assert _masks(a.neurons) == _masks(b.neurons) and _masks(a.synapses) == _masks(b.synapses)
