@@ -82,18 +82,22 @@ def test_a_compiled_graph_run_twice_in_a_step_starts_the_next_step():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(2, 4)
-    tools = []
-    for run in (model, compiled):
-        tool = GraphTracingTool(keep=4)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", amanda.EagerFallbackWarning)
-            with amanda.apply(tool):
-                run(x)
-                run(x)
-        tools.append(tool)
-    assert len(tools[1].graphs) == len(tools[0].graphs) == 2
-    assert [_forward(g) for g in tools[1].graphs] == [_forward(g) for g in tools[0].graphs]
+    want, got = _step_graphs(model, x), _step_graphs(compiled, x)
+    assert len(got) == len(want) == 2
+    assert got == want
     assert np.array_equal(compiled(x).detach().numpy(), model(x).detach().numpy())
+
+
+def _step_graphs(run, x):
+    """The forward part of each step graph the graph tracer records for two
+    calls of ``run`` in one scope; an eager fallback is an error."""
+    tool = GraphTracingTool(keep=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", amanda.EagerFallbackWarning)
+        with amanda.apply(tool):
+            run(x)
+            run(x)
+    return [_forward(g) for g in tool.graphs]
 
 
 class _TwoCalls(torch.nn.Module):
@@ -120,13 +124,7 @@ def test_a_compiled_layer_called_twice_in_an_eager_step_is_spliced_as_eagerly(mo
         torch._dynamo.reset()
         torch.manual_seed(1)
         model = _TwoCalls()
-        tool = GraphTracingTool(keep=4)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", amanda.EagerFallbackWarning)
-            with amanda.apply(tool):
-                model(x)
-                model(x)
-        graphs.append([_forward(g) for g in tool.graphs])
+        graphs.append(_step_graphs(model, x))
     assert len(graphs[0]) == 2 and len(graphs[0][0]) == 4
     assert graphs[1] == graphs[0]
 
