@@ -15,6 +15,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # differences, about 5e-8 relative); TensorFlow's own kernels do not, so the
 # bit-exactness tests run without oneDNN. Must be set before TF is imported.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# TensorFlow sizes its CPU thread pools once per process, from the first
+# session or the eager context, and ignores later sessions' thread counts
+# unless each device owns its pool: without this the single-threaded configs
+# of the bit-exact tests (`test_generated_tf._config`) ran on two intra-op
+# and two inter-op threads, where an `AddN`'s summation order may change from
+# run to run (docs/tensorflow.md, Bit-exactness). Before TF is imported too.
+os.environ.setdefault("TF_OVERRIDE_GLOBAL_THREADPOOL", "1")
 
 tf = pytest.importorskip("tensorflow")
 

@@ -38,7 +38,8 @@ _NUMERIC = (tf.float32, tf.float64, tf.int32, tf.int64, tf.bool)
 
 def _config():
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
-                                      intra_op_parallelism_threads=1)
+                                      intra_op_parallelism_threads=1,
+                                      use_per_session_threads=True)
     rewrite = config.graph_options.rewrite_options
     off = rewrite.OFF
     rewrite.arithmetic_optimization = off

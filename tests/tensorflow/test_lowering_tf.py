@@ -282,7 +282,8 @@ def test_a_routine_returning_none_after_gradient_terms_leaves_a_training_step_ex
     graph, inputs, _, train_op, w, init = build(recipe)
     feeds = _feeds(inputs, 176)
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
-                                      intra_op_parallelism_threads=1)
+                                      intra_op_parallelism_threads=1,
+                                      use_per_session_threads=True)
     config.graph_options.rewrite_options.disable_meta_optimizer = True
     values = []
     for tool in (None, _AfterGradientMul()):
@@ -519,3 +520,43 @@ def test_counters_in_a_v1_graph_that_grappler_may_skip_are_said_loudly():
         assert bool(said) != rewrites_off
         if rewrites_off:
             assert tool.calls == 8
+
+
+class _CopyBeforeAddN(amanda.Tool):
+    """Replaces inputs 0 and 2 of every ``AddN`` by copies of themselves."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_inst_for_op(self.forward)
+
+    def forward(self, context):
+        if context.get_op().type == "AddN":
+            context.insert_before_op(self.copy, inputs=[0, 2])
+
+    def copy(self, first, third):
+        return [np.array(first, copy=True), np.array(third, copy=True)]
+
+
+def test_a_replaced_addn_input_is_summed_first_as_in_the_plain_graph():
+    # AddN sums from the first input whose buffer it may reuse. TensorFlow
+    # reuses a callback's result only where it copied it into a buffer of its
+    # own, which it did or not by NumPy's alignment of the array: 1e8 + 1 is
+    # 1e8 in float32, so starting from input 0 gives 0 and from input 2
+    # gives 1. Input 1 (a variable's value) is never reused, in both graphs.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [5], name="x")
+        big = tf.Variable(np.full(5, 1e8, np.float32))
+        total = tf.math.add_n([x * 1.0, big.read_value(), x * -1e8])
+        init = tf.compat.v1.global_variables_initializer()
+    feed = {x: np.ones(5, np.float32)}
+    with tf.compat.v1.Session(graph=graph, config=_config()) as session:
+        session.run(init)
+        want = session.run(total, feed)
+        tool = _CopyBeforeAddN()
+        with amanda.apply(tool):
+            # 40 runs, each with new copies (the old code lost the order in
+            # about one run of five)
+            got = [session.run(total, feed) for _ in range(40)]
+    assert want.tolist() == [0.0] * 5
+    assert all(g.tobytes() == want.tobytes() for g in got)

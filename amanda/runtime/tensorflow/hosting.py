@@ -189,6 +189,38 @@ def _shaped(tensor, shape):
     return tf.ensure_shape(tensor, shape)
 
 
+#: TensorFlow's buffer alignment (``EIGEN_MAX_ALIGN_BYTES`` of its x86 builds)
+_TF_ALIGNMENT = 64
+
+
+def _owned_copy(array):
+    """A copy of ``array`` that TensorFlow copies once more into a buffer of
+    its own when the callback returns it.
+
+    TensorFlow takes a callback's array without copying it when its data
+    are ``_TF_ALIGNMENT``-aligned, and then never lets a kernel reuse that
+    buffer for its output (it does not own the memory); otherwise it copies
+    the data into a buffer it owns, which a kernel may reuse, as it may any
+    op's output. ``AddN`` sums starting from the first input whose buffer it
+    may reuse, so where NumPy's allocation happened to be aligned a
+    replaced tensor changed the order of a gradient sum, and the result by
+    one ulp, from run to run. Placing every copy off that alignment makes
+    each result TensorFlow's own buffer, like the output it stands for.
+    """
+    array = np.asarray(array)
+    if array.nbytes == 0 or array.dtype.hasobject:
+        return np.array(array, copy=True)
+    item = array.dtype.itemsize
+    step = item if _TF_ALIGNMENT % item else _TF_ALIGNMENT // 2   # off 64, on itemsize
+    raw = np.empty(array.nbytes + _TF_ALIGNMENT + step, np.uint8)
+    start = (-raw.ctypes.data) % _TF_ALIGNMENT + step
+    if start % item:            # NumPy's buffer itself is on the itemsize
+        start += item - start % item
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
 def _observer(action, where, count, hosted, dtypes, spread=None, fixed=()):
     """The callback of a before/after routine.
 
@@ -234,7 +266,7 @@ def _observer(action, where, count, hosted, dtypes, spread=None, fixed=()):
             # a copy: the routine may keep its array and change it later,
             # while TensorFlow still reads it
             arrays_out.append(placeholder if replacement is None
-                              else np.array(replacement, copy=True))
+                              else _owned_copy(replacement))
         return flags + arrays_out
 
     return _hosting(action, where, run)
@@ -246,7 +278,8 @@ def _replacer(action, where, shapes, dtypes):
     shape its static shape allows."""
 
     def run(arrays):
-        return host.replace(action, where, [_read_only(a) for a in arrays], dtypes, shapes)
+        return [_owned_copy(a) for a in host.replace(
+            action, where, [_read_only(a) for a in arrays], dtypes, shapes, copy=False)]
 
     return _hosting(action, where, run)
 
