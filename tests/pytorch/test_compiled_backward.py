@@ -691,3 +691,54 @@ def test_a_routine_after_a_replacement_selects_eagers_positions(program):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _same_parameters(model, eager_model)
 
+
+
+class _WithPooler(torch.nn.Module):
+    """Hidden states and a pooled output, as a transformer returns them."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(6, 6)
+        self.pool = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        hidden = torch.relu(self.body(x))
+        return hidden, torch.tanh(self.pool(hidden))
+
+
+def test_an_output_the_step_does_not_use_has_no_backward_points():
+    """AOTAutograd's backward graph takes a gradient for the pooled output
+    too, zeros where the loss does not read it; eager's engine never
+    reaches the pooler's backward ops then. Six SGD steps, the pooler read
+    in the fourth only: the same executions and values as eager, and the
+    same parameters (docs/pytorch-compiled.md, "Outputs the step does not
+    differentiate")."""
+    results = {}
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        model = _WithPooler()
+        x = torch.randn(5, 6)
+        run = model if backend is None else torch.compile(model, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        tool = CountBackward()
+        fallbacks = copy.copy(pytorch_compiled.EAGER_FALLBACKS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", amanda.EagerFallbackWarning)
+            for step in range(6):
+                optimizer.zero_grad(set_to_none=False)
+                with amanda.apply(tool):
+                    hidden, pooled = run(x)
+                    loss = (hidden ** 2).mean() + (pooled.sum() if step == 3 else 0)
+                    loss.backward()
+                optimizer.step()
+        assert pytorch_compiled.EAGER_FALLBACKS == fallbacks
+        torch._dynamo.reset()
+        results[backend] = tool, model
+    (eager, eager_model), (compiled, compiled_model) = results[None], results["aot_eager"]
+    pooler = {k for k, (op, name, _) in eager.names.items() if name == "TanhBackward0"}
+    assert pooler and all(eager.executions[k] == 1 for k in pooler)
+    assert compiled.executions == eager.executions
+    for key, seen in eager.values.items():
+        assert all(_same(a, b) for want, got in zip(seen, compiled.values[key])
+                   for a, b in zip(want, got)), eager.names[key]
+    assert _same_parameters(compiled_model, eager_model)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import threading
 
 import torch
 import torch.fx
@@ -149,7 +150,8 @@ def backward_compiler(compiler, session, lifted, plan):
 
     def compile_graph(gm, example_inputs, **kwargs):
         with _no_caches():
-            return compile_joint(gm, example_inputs, **kwargs)
+            compiled = compile_joint(gm, example_inputs, **kwargs)
+        return _Unreached(compiled) if session.has_backward else compiled
 
     def compile_joint(gm, example_inputs, **kwargs):
         joint = _Joint(session, lifted, plan, gm)
@@ -192,12 +194,13 @@ def _inductor(compiler, joint):
             _insert_points(gm, joint)
         elif not kwargs.get("is_inference"):
             _read_forward(gm, joint)
+            joint.read_outputs()
         # the backward graph is compiled at the first backward, under eager's
         # mode: inductor's own torch calls (torch.empty in its dtype
         # propagation) were taken for forward ops
         with _no_caches(), _eager_mode_out():
             compiled = inductor.compile_fx_inner(gm, example_inputs, **kwargs)
-        return _OutsideEagerMode(compiled) if kwargs.get("is_backward") else compiled
+        return _OutsideEagerMode(compiled, joint) if kwargs.get("is_backward") else compiled
 
     def compile_graph(gm, example_inputs):
         return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile,
@@ -230,10 +233,34 @@ class _Joint:
         self.inputs = {}       # call -> its tensor inputs
         self.fw_outputs = []   # the forward graph's outputs (the first ones have tangents)
         self.read = False
+        # per tangent of the backward graph, the gradient of the compiled
+        # function's autograd node it is (None: one no user output has), and
+        # per point handle the tangents its gradients are computed from
+        # (`_Unreached`)
+        self.tangent_outputs = []
+        self.tangents = []
+        self.masks = []
+
+    def read_outputs(self):
+        """Which output of the compiled function's autograd node each
+        tangent is the gradient of, from AOTAutograd's metadata (read while
+        it compiles the forward graph): the node's outputs are the mutated
+        inputs, then the user's outputs."""
+        from torch._guards import TracingContext
+        context = TracingContext.try_get()
+        meta = getattr(context, "fw_metadata", None)
+        descs = getattr(meta, "traced_tangents_descs", None)
+        if meta is None or descs is None:
+            return
+        front = meta.num_mutated_inp_runtime_indices
+        self.tangent_outputs = [front + d.output.idx
+                                if type(getattr(d, "output", None)).__name__ == "PlainAOTOutput"
+                                else None for d in descs]
 
     def forward(self, inner):
         def fw_compiler(gm, example_inputs, *args, **kwargs):
             _read_forward(gm, self)
+            self.read_outputs()
             return inner(gm, example_inputs, *args, **kwargs)
         return fw_compiler
 
@@ -249,7 +276,7 @@ class _Joint:
                 with _eager_mode_out():     # compiled at the first backward
                     return inner(_eager_graph_module(module), example_inputs, *args, **kwargs)
             slimmer = _Slimmer(gm, compile_graph) if slims else None
-            return _OutsideEagerMode(compile_graph(gm), slimmer)
+            return _OutsideEagerMode(compile_graph(gm), self, slimmer)
         return bw_compiler
 
 
@@ -263,8 +290,9 @@ class _OutsideEagerMode:
     Everything else of the compiled callable (its attributes, the boxed
     calling convention) is the compiler's."""
 
-    def __init__(self, compiled, slimmer=None):
+    def __init__(self, compiled, joint, slimmer=None):
         self.compiled = compiled
+        self.joint = joint
         self.slimmer = slimmer
         if getattr(compiled, "_boxed_call", False):
             # in the instance's dict: Dynamo's disable() wraps the compiled
@@ -275,8 +303,14 @@ class _OutsideEagerMode:
         return getattr(self.compiled, name)
 
     def __call__(self, *args, **kwargs):
-        with _eager_mode_out():
-            result = self.compiled(*args, **kwargs)
+        skipped = _unreached(self.joint)
+        previous = getattr(_tls, "unreached", None)
+        _tls.unreached = skipped
+        try:
+            with _eager_mode_out():
+                result = self.compiled(*args, **kwargs)
+        finally:
+            _tls.unreached = previous
         if self.slimmer is not None:
             slim = self.slimmer()
             if slim is not None:
@@ -316,7 +350,7 @@ class _Slimmer:
     def __call__(self):
         from amanda.runtime.routines import returns_only_none
         for _, point, side in self.nodes:
-            if not (point.post_done if side else point.pre_done):
+            if not (point.post_done if side else point.pre_done) and not point.unreached:
                 return None
         if not self.nodes:
             return False
@@ -326,6 +360,10 @@ class _Slimmer:
         graph.output(graph.graph_copy(self.gm.graph, memo))
         changed = False
         for node, point, side in self.nodes:
+            if not point.pre_done or (side and not point.post_done):
+                # no gradient reached it yet (`_Unreached`): it stays whole, both
+                # sides (its before-analysis may record after-actions)
+                continue
             actions = point.after + point.replace if side else point.before
             call = memo[node]
             if actions and (point.replace or not all(returns_only_none(a.func) for a in actions)):
@@ -384,6 +422,92 @@ def _eager_graph_module(gm):
     plain = torch.fx.GraphModule(gm, gm.graph)
     plain.meta = dict(getattr(gm, "meta", {}))
     return plain
+
+
+# -- outputs the step does not differentiate --------------------------------------------------
+
+_tls = threading.local()    # .unreached: the point handles no gradient reaches in this run
+_pending = threading.local()    # .none: the node outputs without a gradient, from its pre-hook
+
+
+class _Unreached:
+    """A compiled function whose backward points skip what eager's autograd
+    would not reach. **Rule: a backward op runs its routines when a
+    gradient reaches it**, as eagerly. AOTAutograd's backward graph takes a
+    gradient for every output of the compiled function, and autograd hands
+    it zeros for an output the step does not use (a model's pooler when the
+    loss reads only the hidden states): eager's engine never reaches the
+    backward ops of such an output, so the points that only such zeros
+    reach are skipped (their gradients pass on unchanged, no analysis).
+    Each run's autograd node gets a pre-hook that notes which of its
+    outputs got no gradient (`_note_missing`); the backward graph maps
+    them to its tangents (`_Joint.read_outputs`) and each point to the
+    tangents it is computed from (`_tangent_masks`)."""
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+    def __call__(self, *args, **kwargs):
+        result = self.compiled(*args, **kwargs)
+        if torch.is_grad_enabled():
+            seen = set()
+            for value in (result if isinstance(result, (list, tuple)) else (result,)):
+                node = getattr(value, "grad_fn", None) if isinstance(value, torch.Tensor) \
+                    else None
+                if node is not None and id(node) not in seen \
+                        and type(node).__name__ == "CompiledFunctionBackward":
+                    seen.add(id(node))
+                    node.register_prehook(_note_missing)
+        return result
+
+
+def _note_missing(grads):
+    """Pre-hook of a compiled function's autograd node: which of its
+    outputs have no gradient in this backward (autograd then hands the
+    function zeros), for the backward graph it runs next on this thread."""
+    _pending.none = frozenset(i for i, g in enumerate(grads) if g is None) or None
+
+
+def _tangent_masks(gm, joint):
+    """Per point handle of backward graph ``gm``, the tangents (bit ``k``
+    for the ``k``-th) its gradients are computed from."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    joint.tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
+    if len(joint.tangents) != len(joint.tangent_outputs):
+        joint.tangents = []     # not the tangents AOTAutograd described: nothing is skipped
+        return
+    bits = {placeholders[p]: 1 << k for k, p in enumerate(joint.tangents)}
+    point = _custom_ops()["point"]
+    depends, masks = {}, {}
+    for node in gm.graph.nodes:
+        mask = bits.get(node, 0)
+        for arg in node.all_input_nodes:
+            mask |= depends.get(arg, 0)
+        depends[node] = mask
+        if node.op == "call_function" and node.target is point:
+            masks[node.args[0]] = masks.get(node.args[0], 0) | mask
+    joint.masks = [(handle, mask) for handle, mask in masks.items() if mask]
+
+
+def _unreached(joint):
+    """The point handles of ``joint``'s backward graph that only gradients
+    of outputs without one reach in this run (None: every point runs)."""
+    missing = getattr(_pending, "none", None)
+    _pending.none = None
+    if missing is None or not joint.tangents:
+        return None
+    unused = 0
+    for k, output in enumerate(joint.tangent_outputs):
+        if output is not None and output in missing:
+            unused |= 1 << k
+    if not unused:
+        return None
+    return frozenset(handle for handle, mask in joint.masks if not mask & ~unused)
 
 
 # -- the forward graph -----------------------------------------------------------------------
@@ -570,6 +694,7 @@ def _insert_points(gm, joint):
     _stable_sort(graph)
     graph.lint()
     gm.recompile()
+    _tangent_masks(gm, joint)
 
 
 def _groups(nodes, joint, grads):
@@ -1073,7 +1198,7 @@ class _Point:
     analysis ran, and the actions it recorded (eager's ``_BackwardRecord``)."""
 
     __slots__ = ("joint", "op", "name", "index", "op_id", "context", "pre_done", "post_done",
-                 "before", "after", "replace", "where")
+                 "before", "after", "replace", "where", "unreached")
 
     def __init__(self, joint, op, name, index):
         session = joint.session
@@ -1087,6 +1212,7 @@ class _Point:
         self.post_done = not session.routines[BACKWARD_AFTER]
         self.before, self.after, self.replace = [], [], []
         self.where = (name, self.op_id, NAMESPACE)
+        self.unreached = False      # skipped in a run: no gradient reached it (`_Unreached`)
 
     def get_context(self):
         if self.context is None:
@@ -1166,6 +1292,11 @@ def _run_point(handle, point, grad_outputs, grad_inputs):
     them)``: point 0 runs the before-routines on ``grad_outputs``, point 1
     the after-routines on ``grad_inputs``, outside autograd."""
     record = _POINTS[handle]
+    unreached = getattr(_tls, "unreached", None)
+    if unreached is not None and handle in unreached:
+        record.unreached = True
+        old = grad_outputs if point == 0 else grad_inputs
+        return old, [None] * len(old)
     with torch.no_grad():
         if point == 0:
             return grad_outputs, record.run_before(grad_outputs)
