@@ -44,14 +44,14 @@ test: $(STAMP) test-core
 	exit $$status
 
 # The whole corpora of the sweeps that `make test` samples to stay within
-# CI's time: the whole eager harness and ResNet-50 compiled under the FLOPs
-# and pruning tools, every onnx node-test case (7.4 minutes alone) and every Keras
+# CI's time: the whole eager harness, ResNet-50 compiled under the FLOPs
+# and pruning tools, the compiled training step of all nine families, every onnx node-test case (7.4 minutes alone) and every Keras
 # application of the TF sweeps (identity, layers, and the training steps
 # with the update inside the function; the longest part), and every class
 # of Keras's layer corpus
 sweep: $(STAMP)
 	AMANDA_TORCH_SWEEP=1 $(BIN)/python -m pytest -q tests/pytorch/test_eager_harness.py \
-		tests/pytorch/test_compiled_values.py
+		tests/pytorch/test_compiled_values.py tests/pytorch/test_compiled_families.py
 	AMANDA_NODE_SWEEP_SAMPLE=1 $(BIN)/python -m pytest -q tests/onnx/test_node_sweep_onnx.py
 	AMANDA_KERAS_SWEEP=1 $(BIN)/python -m pytest -q tests/tensorflow/test_identity_sweep_tf.py \
 		tests/tensorflow/test_keras_layers_tf.py tests/tensorflow/test_training_step_tf.py \

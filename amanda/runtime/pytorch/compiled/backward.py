@@ -149,7 +149,7 @@ def backward_compiler(compiler, session, lifted, plan):
     compiler = _unwrapped(compiler)
 
     def compile_graph(gm, example_inputs, **kwargs):
-        with _no_caches():
+        with _no_caches(keep_each_op=session.has_backward):
             compiled = compile_joint(gm, example_inputs, **kwargs)
         return _Unreached(compiled) if session.has_backward else compiled
 
@@ -173,15 +173,25 @@ def backward_compiler(compiler, session, lifted, plan):
     return compile_graph
 
 
-def _no_caches():
+def _no_caches(keep_each_op=False):
     """AOTAutograd's and inductor's caches off while amanda compiles: a hit
     (a graph compiled in another process, or the vanilla one: backward
     points change no Dynamo graph) would skip amanda's inner compilers, and
-    the points' handles are this process' own."""
+    the points' handles are this process' own.
+
+    ``keep_each_op`` (a session with backward points): AOTAutograd's common
+    subexpression elimination off too. **Rule: each op keeps its own aten
+    ops**, as eager's autograd keeps its own nodes: CSE computed the ``t``
+    of a weight shared by several calls of one layer (ALBERT) once, in the
+    group of the first call, and merged Swin's equal slices, so the later
+    calls' ``TBackward0``/``SliceBackward0`` had no points. The duplicates
+    are views and equal values (gradients stay vanilla compiled's, bit for
+    bit: tests/pytorch/test_compiled_families.py)."""
     import contextlib
     from torch._functorch import config as functorch_config
     stack = contextlib.ExitStack()
-    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False,
+                                               **({"cse": False} if keep_each_op else {})))
     stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
     return stack
 
@@ -233,6 +243,7 @@ class _Joint:
         self.inputs = {}       # call -> its tensor inputs
         self.fw_outputs = []   # the forward graph's outputs (the first ones have tangents)
         self.read = False
+        self.rank = {}         # seq_nr -> index, where eager's walk numbers them (`_eager_order`)
         # per tangent of the backward graph, the gradient of the compiled
         # function's autograd node it is (None: one no user output has), and
         # per point handle the tangents its gradients are computed from
@@ -570,8 +581,64 @@ def _read_forward(gm, joint):
             node = group[-1]
         else:
             node_name, slots, grad_outputs = _autograd_node(node)
+        node_name = _EAGERS_NAME.get(node_name, node_name)
         joint.ops[seq] = _ForwardOp(node.name, lifted, node_name, slots, grad_outputs)
         joint.made_by.update((n.name, seq) for n in group)
+    joint.rank = _eager_order(nodes, joint)
+
+
+def _eager_order(nodes, joint):
+    """``{seq_nr: index}`` for the backward ops of an op that makes several
+    of one kind (two ``ExpandBackward0`` of a decomposed attention).
+    **Rule: such backward ops are numbered in the order eager's walk meets
+    them**: breadth first from the op's outputs, each node's inputs in
+    argument order (`eager.backward._walk_new_nodes`), not by creation
+    (Swin's attention had the gradients of its query and key expansions
+    swapped between ``#0`` and ``#1``). An op the walk does not cover
+    whole keeps the creation order."""
+    by_name = {n.name: n for n in nodes}
+    per_op = {}
+    for seq, fop in joint.ops.items():
+        per_op.setdefault(fop.lifted, []).append(seq)
+    rank = {}
+    for op, seqs in per_op.items():
+        kinds = [joint.ops[s].node_name for s in seqs]
+        if len(set(kinds)) == len(kinds):
+            continue
+        mine = {name for name, s in joint.made_by.items() if s in seqs}
+        seq_of = {joint.ops[s].name: s for s in seqs}
+        position = {n: i for i, n in enumerate(by_name)}
+        # its outputs: read by other ops (the graph's output also lists the
+        # values saved for backward), else its last value
+        mine_known = sorted((n for n in mine if n in by_name), key=position.__getitem__)
+        queue = [n for n in mine_known if any(u.name not in mine and u.op != "output"
+                                              for u in by_name[n].users)] or mine_known[-1:]
+        order, seen = [], set()
+        while queue:
+            name = queue.pop(0)
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in seq_of:
+                order.append(seq_of[name])
+            queue.extend(a.name for a in by_name[name].all_input_nodes if a.name in mine)
+        if set(order) != set(seqs):
+            continue
+        counts = {}
+        for seq in order:
+            kind = joint.ops[seq].node_name
+            rank[seq] = counts.get(kind, 0)
+            counts[kind] = rank[seq] + 1
+    return rank
+
+
+#: **Rule: an op AOTAutograd traces in a functional variant of eager's is
+#: named as eager's CPU call names it**: ``batch_norm`` is
+#: ``_native_batch_norm_legit`` (training) or ``_no_training`` (evaluating)
+#: in AOTAutograd's graph, ``native_batch_norm`` eagerly on the CPU (cuDNN's
+#: ``CudnnBatchNormBackward0`` on CUDA is not mapped)
+_EAGERS_NAME = {"NativeBatchNormLegitBackward0": "NativeBatchNormBackward0",
+                "NativeBatchNormLegitNoTrainingBackward0": "NativeBatchNormBackward0"}
 
 
 def _is_own_aten(node):
@@ -674,7 +741,13 @@ def _insert_points(gm, joint):
         else:
             # no gradient node: the op hands its gradient on unchanged (its
             # group, if any, is forward values the partitioner recomputes)
-            incoming = flows.into(fop) if _eager_makes_node(joint, fop.lifted) else []
+            if _eager_makes_node(joint, fop.lifted):
+                incoming = flows.into(fop)
+            else:
+                # eagerly no node (``dropout`` with ``p=0``): its output's
+                # gradient is its input's, for the op that made the input
+                flows.hand_on(fop)
+                incoming = []
             if not incoming:
                 if members:
                     counts[key] = counts.get(key, 0) + 1
@@ -682,6 +755,7 @@ def _insert_points(gm, joint):
             members, produced = [], []
         index = counts.get(key, 0)
         counts[key] = index + 1
+        index = joint.rank.get(seq, index)
         if not incoming and not produced:
             continue    # forward values a compiler recomputes: no gradient flows here
         slots = _match(produced, fop, joint, output, group_of, reach)
@@ -1008,16 +1082,29 @@ class _Flows:
             if i < len(fop.slots) and fop.slots[i] is not None:
                 self.made.setdefault(fop.slots[i], []).append(node)
 
+    def hand_on(self, fop):
+        """``fop`` makes no autograd node eagerly: the gradient of its
+        output is that of the values it reads (so an op before it that
+        makes none in the backward graph either gets its points on it)."""
+        flowing = self.into(fop)
+        for value in dict.fromkeys(v for v in fop.slots if v is not None):
+            self.made.setdefault(value, []).extend(flowing)
+
     def into(self, fop):
-        """[the gradient of ``fop``'s output], or [] when none flows."""
-        made = self.made.get(fop.name, [])
-        if not made:
-            tangent = self.tangents.get(fop.name)
-            return [tangent] if tangent is not None and tangent.users else []
-        if len(made) == 1:
+        """[the gradient of ``fop``'s output], or [] when none flows: the
+        sum of what its readers hand on and, for a graph output, its
+        tangent (a value the graph returns and reads, e.g. hidden states a
+        pooler reads: before, only the pooler's part was taken)."""
+        made = list(self.made.get(fop.name, []))
+        tangent = self.tangents.get(fop.name)
+        if tangent is not None and tangent.users:
+            made.append(tangent)
+        if len(made) <= 1:
             return made
         total = self._sum(made)
-        return [total] if total is not None else []
+        if total is not None:
+            return [total]
+        return made[:1]     # no common sum found: the first reader's, as before
 
     def _sum(self, nodes):
         """The first node of no group that every one of ``nodes`` flows into
