@@ -52,6 +52,7 @@ from amanda import controls
 from amanda.context import OpContext
 from amanda.runtime.pytorch.compiled.distributed import WHOLE_NAME
 from amanda.runtime.pytorch.compiled.graphs import NAMESPACE
+from amanda.runtime.pytorch.compiled.lowering import _items
 from amanda.runtime.pytorch.eager.records import BackwardOp, _stable_id
 from amanda.runtime.pytorch.eager.routines import _analyse, _apply_actions, _invoke, _meta
 from amanda.runtime.routines import check_replacements, routine_error, select
@@ -1254,15 +1255,6 @@ def _before_routines(arg):
         else:
             break
     return arg
-
-
-def _items(graph, call, count):
-    items, cursor = [], call
-    for i in range(count):
-        with graph.inserting_after(cursor):
-            cursor = graph.call_function(operator.getitem, (call, i))
-        items.append(cursor)
-    return items
 
 
 def _replace_op():
