@@ -696,17 +696,21 @@ def test_a_routine_after_a_replacement_selects_eagers_positions(program):
 class _WithPooler(torch.nn.Module):
     """Hidden states and a pooled output, as a transformer returns them."""
 
-    def __init__(self):
+    def __init__(self, norm):
         super().__init__()
         self.body = torch.nn.Linear(6, 6)
+        # a training batch norm: its running statistics are inputs the
+        # compiled function mutates, outputs before the user's
+        self.norm = torch.nn.BatchNorm1d(6) if norm else torch.nn.Identity()
         self.pool = torch.nn.Linear(6, 6)
 
     def forward(self, x):
-        hidden = torch.relu(self.body(x))
+        hidden = self.norm(torch.relu(self.body(x)))
         return hidden, torch.tanh(self.pool(hidden))
 
 
-def test_an_output_the_step_does_not_use_has_no_backward_points():
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "batch-norm"])
+def test_an_output_the_step_does_not_use_has_no_backward_points(norm):
     """AOTAutograd's backward graph takes a gradient for the pooled output
     too, zeros where the loss does not read it; eager's engine never
     reaches the pooler's backward ops then. Six SGD steps, the pooler read
@@ -716,7 +720,7 @@ def test_an_output_the_step_does_not_use_has_no_backward_points():
     results = {}
     for backend in (None, "aot_eager"):
         torch.manual_seed(0)
-        model = _WithPooler()
+        model = _WithPooler(norm).train()
         x = torch.randn(5, 6)
         run = model if backend is None else torch.compile(model, backend=backend)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -742,3 +746,5 @@ def test_an_output_the_step_does_not_use_has_no_backward_points():
         assert all(_same(a, b) for want, got in zip(seen, compiled.values[key])
                    for a, b in zip(want, got)), eager.names[key]
     assert _same_parameters(compiled_model, eager_model)
+    if norm:
+        assert torch.equal(compiled_model.norm.running_mean, eager_model.norm.running_mean)

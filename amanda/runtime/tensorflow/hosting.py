@@ -210,12 +210,11 @@ def _owned_copy(array):
     array = np.asarray(array)
     if array.nbytes == 0 or array.dtype.hasobject:
         return np.array(array, copy=True)
+    # one item past an aligned address: on the itemsize, off any alignment
+    # above it (TensorFlow's, whatever its build)
     item = array.dtype.itemsize
-    step = item if _TF_ALIGNMENT % item else _TF_ALIGNMENT // 2   # off 64, on itemsize
-    raw = np.empty(array.nbytes + _TF_ALIGNMENT + step, np.uint8)
-    start = (-raw.ctypes.data) % _TF_ALIGNMENT + step
-    if start % item:            # NumPy's buffer itself is on the itemsize
-        start += item - start % item
+    raw = np.empty(array.nbytes + _TF_ALIGNMENT + item, np.uint8)
+    start = (-raw.ctypes.data) % _TF_ALIGNMENT + item
     out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
     out[...] = array
     return out

@@ -598,6 +598,7 @@ def _eager_order(nodes, joint):
     swapped between ``#0`` and ``#1``). An op the walk does not cover
     whole keeps the creation order."""
     by_name = {n.name: n for n in nodes}
+    position = {name: i for i, name in enumerate(by_name)}
     per_op = {}
     for seq, fop in joint.ops.items():
         per_op.setdefault(fop.lifted, []).append(seq)
@@ -606,9 +607,9 @@ def _eager_order(nodes, joint):
         kinds = [joint.ops[s].node_name for s in seqs]
         if len(set(kinds)) == len(kinds):
             continue
-        mine = {name for name, s in joint.made_by.items() if s in seqs}
+        wanted = set(seqs)
+        mine = {name for name, s in joint.made_by.items() if s in wanted}
         seq_of = {joint.ops[s].name: s for s in seqs}
-        position = {n: i for i, n in enumerate(by_name)}
         # its outputs: read by other ops (the graph's output also lists the
         # values saved for backward), else its last value
         mine_known = sorted((n for n in mine if n in by_name), key=position.__getitem__)
@@ -623,7 +624,7 @@ def _eager_order(nodes, joint):
             if name in seq_of:
                 order.append(seq_of[name])
             queue.extend(a.name for a in by_name[name].all_input_nodes if a.name in mine)
-        if set(order) != set(seqs):
+        if set(order) != wanted:
             continue
         counts = {}
         for seq in order:
@@ -635,11 +636,12 @@ def _eager_order(nodes, joint):
 
 #: **Rule: an op AOTAutograd traces in a functional variant of eager's is
 #: named as eager's CPU call names it**: ``batch_norm`` is
-#: ``_native_batch_norm_legit`` (training) or ``_no_training`` (evaluating)
-#: in AOTAutograd's graph, ``native_batch_norm`` eagerly on the CPU (cuDNN's
-#: ``CudnnBatchNormBackward0`` on CUDA is not mapped)
-_EAGERS_NAME = {"NativeBatchNormLegitBackward0": "NativeBatchNormBackward0",
-                "NativeBatchNormLegitNoTrainingBackward0": "NativeBatchNormBackward0"}
+#: ``_native_batch_norm_legit_functional`` (training) or ``_no_training``
+#: (evaluating) in AOTAutograd's graph, ``native_batch_norm`` eagerly on the
+#: CPU (cuDNN's ``CudnnBatchNormBackward0`` on CUDA is not mapped)
+_EAGERS_NAME = {name: "NativeBatchNormBackward0" for name in (
+    "NativeBatchNormLegitBackward0", "NativeBatchNormLegitFunctionalBackward0",
+    "NativeBatchNormLegitNoTrainingBackward0")}
 
 
 def _is_own_aten(node):
