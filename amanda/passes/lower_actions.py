@@ -70,6 +70,9 @@ class LowerActionsPass:
             lower, or the `InstrumentationPass` that makes it (its plan is read
             when this pass runs, so both can be queued in one manager).
         in_place: lower into the input graph (see `lower_actions`).
+        when: ``when(plan, graph)`` says whether to lower; where it says no,
+            the pass returns its input unchanged (``modified`` False). None:
+            always.
 
     The result's graph is a new graph (the input is left untouched, as
     `lower_actions` does) unless ``in_place``; ``modified`` says whether any
@@ -78,14 +81,17 @@ class LowerActionsPass:
 
     name = "lower_actions"
 
-    def __init__(self, plan, *, in_place=False):
+    def __init__(self, plan, *, in_place=False, when=None):
         self.source = plan
         self.in_place = in_place
+        self.when = when
 
     def __call__(self, graph):
         plan = getattr(self.source, "plan", self.source)
         if plan is None:
             raise ValueError("lower_actions has no plan: run the instrumentation pass first")
+        if self.when is not None and not self.when(plan, graph):
+            return PassResult(graph, False)
         return PassResult(lower_actions(graph, plan, in_place=self.in_place),
                           bool(plan.actions()))
 
@@ -99,7 +105,14 @@ def _backward_ops_by_owner(graph):
     return owned
 
 
-def _selected(values, action, op):
+def selected(values, action, op):
+    """The positions of ``values`` (an op's inputs or outputs) ``action``
+    selects, in order.
+
+    Raises:
+        ToolError: a position is past the op's tensors (names the tool,
+            routine and op).
+    """
     if action.positions is None:
         return list(range(len(values)))
     for p in action.positions:
@@ -119,7 +132,7 @@ def _routine_op(graph, action, target, inputs, num_outputs):
 
 
 def _lower_before(graph, op, action, owned):
-    positions = _selected(op.inputs, action, op)
+    positions = selected(op.inputs, action, op)
     originals = [op.inputs[p] for p in positions]
     with graph.inserting_before(op):
         routine = _routine_op(graph, action, op, originals, len(originals))
@@ -133,7 +146,7 @@ def _lower_before(graph, op, action, owned):
 
 
 def _lower_after(graph, op, action, owned):
-    positions = _selected(op.outputs, action, op)
+    positions = selected(op.outputs, action, op)
     originals = [op.outputs[p] for p in positions]
     with graph.inserting_after(op):
         routine = _routine_op(graph, action, op, originals, len(originals))
@@ -152,7 +165,7 @@ def _replace_graph_outputs(graph, originals, replacements):
 
 
 def _lower_replace(graph, op, action, owned):
-    positions = _selected(op.inputs, action, op)
+    positions = selected(op.inputs, action, op)
     inputs = [op.inputs[p] for p in positions]
     with graph.inserting_after(op):
         routine = _routine_op(graph, action, op, inputs, len(op.outputs))

@@ -51,7 +51,7 @@ class GraphCompletedPass:
 
 
 def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="instrument",
-                     whole=True, forward=None, lower_in_place=False):
+                     whole=True, forward=None, lower_in_place=False, lower_when=None):
     """Runs the pipeline over an IR graph a frontend lifted.
 
     Args:
@@ -71,6 +71,11 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
         lower_in_place: the caller owns ``graph`` and reads it no more, so
             routine ops may be lowered into it instead of into a copy. Not
             done when graph tools received ``graph`` (they may keep it).
+        lower_when: ``lower_when(plan, graph)`` (after the analysis and the
+            extras) says whether to lower at all; where it says no, ``graph``
+            comes back as it was analysed and the backend realises the plan
+            itself (ONNX's observe-only sessions read the plan's actions at
+            their sites, `amanda.runtime.onnx.sites`). None: always lower.
 
     Returns:
         ``(plan, lowered)``: the :class:`InstrumentationPlan` and the graph
@@ -84,7 +89,8 @@ def instrument_graph(graph, session, backend, *, plan=None, extras=(), name="ins
     analyse = InstrumentationPass(session, backend, plan, forward)
     handed_out = whole and session.requires_graph
     passes = [analyse, *extras, *([GraphCompletedPass(session)] if whole else []),
-              LowerActionsPass(analyse, in_place=lower_in_place and not handed_out)]
+              LowerActionsPass(analyse, in_place=lower_in_place and not handed_out,
+                               when=lower_when)]
     with controls.muted():
         result = PassManager(passes, name=name)(graph)
     return analyse.plan, result.graph

@@ -359,7 +359,7 @@ def test_shared_weights_outlive_the_scope_and_stay_out_of_the_users_options():
         theirs = ort.InferenceSession(model.SerializeToString(), mine,
                                       providers=["CPUExecutionProvider"])
         (hit,) = controls.state.sessions[-1].caches["onnx"].values()
-        (data, _, _, views, lean), = hit.optimised.values()
+        (data, _, _, views, lean, _), = hit.optimised.values()
     assert set(views) == {"W"} and same(views["W"], weight)
     # the model the session was created from holds no copy of the weight
     assert lean is not None and len(lean[0]) < weight.nbytes // 4

@@ -411,7 +411,7 @@ class _Lifter:
         # stable id of its own: bodies often reuse names ("add" in then_branch
         # and in else_branch)
         for key, value in attrs.items():
-            if key == "_onnx":
+            if key == "_onnx" or isinstance(value, (int, float, str)):
                 continue
             for position, sub in iter_graphs(value):
                 _prefix_ops(sub, f"{op.name}/{key}{position}/")

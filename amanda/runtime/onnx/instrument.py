@@ -32,6 +32,7 @@ from amanda.runtime.onnx.host import _original_init
 from amanda.runtime.onnx.lowering import MAX_IR_VERSION, _Lowering, lower
 from amanda.runtime.onnx.portable import elem_type
 from amanda.runtime.onnx.routine_nodes import observes_only
+from amanda.runtime.onnx.sites import SitedGraph
 
 
 class OnnxGraphBackend(GraphBackend):
@@ -231,11 +232,26 @@ def _instrument(model, session, callbacks, apart=False):
         return PassResult(graph, False)
 
     analyse_bodies.name = "onnx_bodies"
+    sited = []
+
+    def lower_when(plan, graph):
+        # every routine only looks and none is in a body: the session reads
+        # the plan at its sites (`SitedGraph`), no routine op is made
+        if apart and callbacks and plan and not any(bodies.values()):
+            view = SitedGraph(graph, plan)
+            if observes_only(view, bodies=False):
+                sited.append(view)
+                return False
+        return True
+
     # the lifted graph is this call's own (the probe reads it only during the
     # analysis), so lowering may add the routine ops to it rather than a copy
     with _probing(_Probe(model, ir_graph, nodes)):   # evaluate() runs onnxruntime sessions
         plan, lowered = instrument_graph(ir_graph, session, backend, extras=[analyse_bodies],
-                                         name="onnx", lower_in_place=True)
+                                         name="onnx", lower_in_place=True,
+                                         lower_when=lower_when)
+    if sited:
+        return None, _Observing(sited[0])
     if not plan and not any(bodies.values()):
         return None, None
     _lower_bodies(lowered, bodies)

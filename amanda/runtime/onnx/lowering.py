@@ -72,6 +72,7 @@ class _Lowering(RoutineNodes):
         self.outer_token = None   # the enclosing graph's token at a body's holding node
         self.nested = False       # writing a body of If/Loop/Scan
         self.hosted = 0           # hosted routines written so far
+        self.host_nodes = 0       # nodes of the extensions' domain written so far
         self.ranks_known = True   # the graph being written declares its outputs' ranks
         self.holder = None        # the op whose attributes are being written
         self.body_of = None       # the op holding the body being written
@@ -371,12 +372,18 @@ def _collect_names(graph, names):
     names.update(t.name for t in graph.inputs)
     for op in graph.ops:
         names.update(t.name for t in op.outputs)
-        meta = op.attrs.get("_onnx") or {}
+        attrs = op.attrs
+        meta = attrs.get("_onnx") or {}
         if meta.get("name"):
             names.add(meta["name"])
-        for value in op.attrs.values():
-            for _, sub in iter_graphs(value):
-                _collect_names(sub, names)
+        if op.type == ROUTINE:
+            continue
+        for key, value in attrs.items():
+            # (bodies are graphs among the node's attributes, never in its
+            # metadata, whose nested dicts are the larger part of a walk)
+            if key != "_onnx" and not isinstance(value, (int, float, str)):
+                for _, sub in iter_graphs(value):
+                    _collect_names(sub, names)
 
 
 def _infer_attribute_type(value):

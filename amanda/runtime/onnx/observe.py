@@ -120,9 +120,13 @@ class _SideBranches(_Lowering):
         # produce a value a body reads (a token) listed before the body's node
         if self.eager:
             _sort_nodes_eagerly(self.result.graph, own)
-        else:
+        elif self.host_nodes:
             _sort_nodes(self.result.graph)
-        if all(o.domain != CALLBACK_DOMAIN for o in self.result.opset_import):
+        # else only recomputations were appended, each after the nodes it
+        # reads (`resolve` appends a node's inputs first) and read by no
+        # node of the model: the order is still topological
+        if self.host_nodes and all(o.domain != CALLBACK_DOMAIN
+                                   for o in self.result.opset_import):
             self.result.opset_import.add(domain=CALLBACK_DOMAIN, version=1)
         if all(o.domain not in ("", "ai.onnx") for o in self.result.opset_import):
             # a model of other domains only: the ordering nodes (Size) need it
@@ -473,6 +477,8 @@ def _drop_unread_initializers(proto, names):
     routine that observes a weight gets it from `_FetchPlan`, and
     onnxruntime refuses an unread initializer that is not a graph input
     (IR < 4). Returns their values (copies), by name."""
+    if not names:
+        return {}
     read = set()
 
     def collect(graph):

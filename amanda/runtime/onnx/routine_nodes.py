@@ -260,6 +260,7 @@ class RoutineNodes:
         return self.name(tensor)
 
     def _host_node(self, op_type, inputs, name, key):
+        self.host_nodes += 1
         token = self.fresh(f"{name}.token")
         self.add_node(op_type, inputs, [token], name, domain=CALLBACK_DOMAIN, key=key)
         return token

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 import warnings
@@ -28,10 +29,12 @@ from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx.bodies import _bodies_host_routines
-from amanda.runtime.onnx.host import (_original_init, checked_session, extensions, owned_by,
+from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_session,
+                                      extensions, owned_by,
                                       run_methods, session_options)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
+from amanda.runtime.onnx.sites import lowerable
 from amanda.runtime.observation import choosing, current_choice, fetch_budget
 from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
@@ -190,7 +193,7 @@ class _Instrumented:
     def lowered_data(self, given, session):
         """The lowered model's bytes (side branches could not be attached)."""
         if self._data is None:
-            self._data = lower(self.side_graph(given, session)[0]).SerializeToString()
+            self._data = lower(lowerable(self.side_graph(given, session)[0])).SerializeToString()
         return self._data
 
     @property
@@ -256,27 +259,35 @@ def _instrumented(session, source, ahead=None):
 _OPTIONS_LOCK = threading.Lock()
 
 
-def _fresh_options(level=None):
+def _fresh_options(level=None, register=True):
     """New ``SessionOptions`` like amanda's default ones (the extensions' op
-    library registered), at ``level`` if given; for a session that must not
-    share options (and what is added to them) with any other."""
+    library registered unless not ``register``), at ``level`` if given; for
+    a session that must not share options (and what is added to them) with
+    any other."""
     options = ort.SessionOptions()
-    options.register_custom_ops_library(extensions().get_library_path())
+    if register:
+        options.register_custom_ops_library(extensions().get_library_path())
     if level is not None:
         options.graph_optimization_level = level
     return options
 
 
-def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs):
+def _optimised_by_onnxruntime(data, options, own, providers, provider_options, kwargs,
+                              register=False):
     """(temporary folder, ModelProto): the user's model (a path or bytes) as
     onnxruntime optimises it with these options (``own``: amanda's, the user
-    gave none; the weights then stay in the folder as external data)."""
+    gave none; the weights then stay in the folder as external data).
+    ``register``: with the extensions' op library (`_needs_library`), which
+    only a model using that domain needs; its registration alone costs a
+    session creation several milliseconds."""
+    if register:
+        options = session_options(None if own else options)
     if own:
         # this session only writes the optimised model: weights packed for
         # its kernels would only raise the build's peak (packing follows the
         # optimisation and does not change the graph). Not in the user's
         # options: a config entry cannot be taken back out of them
-        options = _fresh_options(options.graph_optimization_level)
+        options = _fresh_options(options.graph_optimization_level, register=register)
         options.add_session_config_entry("session.disable_prepacking", "1")
     folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
     try:
@@ -364,7 +375,7 @@ def _ahead(sess_options, providers, provider_options, kwargs):
     the session's options say (amanda's own when ``sess_options`` is None),
     returning ``(level key, folder, ModelProto)``."""
     def optimise(source):
-        options = session_options(sess_options)
+        options = _plain_options(sess_options)
         level = (int(options.graph_optimization_level), repr(providers), repr(provider_options))
         return (level,) + _optimised_by_onnxruntime(source, options, sess_options is None,
                                                     providers, provider_options, kwargs)
@@ -395,17 +406,25 @@ class _Ahead:
         self._result = None
         self._thread = None
         if size is not None and size <= OVERLAP_BYTES:
-            self._thread = threading.Thread(target=self._run, args=(optimise, source),
+            self._thread = threading.Thread(target=self._run, args=(optimise, source, True),
                                             name="amanda-onnx-optimise", daemon=True)
-            self._thread.start()
+            _SWITCH.enter()
+            try:
+                self._thread.start()
+            except BaseException:
+                _SWITCH.leave()
+                raise
         elif optimise.own:
             self._run(optimise, source)
 
-    def _run(self, optimise, source):
+    def _run(self, optimise, source, overlapped=False):
         try:
             self._result = optimise(source)
         except Exception:   # noqa: BLE001 - see the class
             self._result = None
+        finally:
+            if overlapped:
+                _SWITCH.leave()
 
     def result(self):
         """``(level key, folder, ModelProto)`` or None, once it is made."""
@@ -420,6 +439,47 @@ class _Ahead:
         self._result = None
         if result is not None:
             result[1].cleanup()
+
+
+class _SwitchInterval:
+    """The interpreter's switch interval, lowered while an optimisation
+    runs on a thread beside amanda's Python work (`_Ahead`).
+
+    onnxruntime releases the GIL while it builds the session but takes it
+    back several times on the way (to return to Python among others); each
+    time the thread waits for the main thread to give it up, which a busy
+    thread does only every switch interval (5 ms by default). Measured on
+    the small BERT: the optimisation took 35 ms beside amanda's work at 5
+    ms, 21 ms at 0.2 ms, 20 ms alone. The interval is restored when the
+    last such thread ends (a count, so overlapping creations on several
+    threads nest), unless somebody changed it meanwhile."""
+
+    LOW = 0.0002
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved = None
+
+    def enter(self):
+        with self._lock:
+            if self._running == 0:
+                current = sys.getswitchinterval()
+                if current > self.LOW:
+                    self._saved = current
+                    sys.setswitchinterval(self.LOW)
+            self._running += 1
+
+    def leave(self):
+        with self._lock:
+            self._running -= 1
+            if self._running == 0 and self._saved is not None:
+                if sys.getswitchinterval() == self.LOW:
+                    sys.setswitchinterval(self._saved)
+                self._saved = None
+
+
+_SWITCH = _SwitchInterval()
 
 
 def _timed(graph):
@@ -457,14 +517,18 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
         else:
             if ahead is not None:
                 given.ahead.discard()
+            # (the optimisation ahead, without the extensions' library, may
+            # have failed on a model using its ops: this one registers it)
             folder, optimised = _optimised_by_onnxruntime(
-                given.for_onnxruntime(), options, own, providers, provider_options, kwargs)
+                given.for_onnxruntime(), options, own, providers, provider_options, kwargs,
+                register=True)
         given.ahead = None
         try:
             branches = _SideBranches(graph, model, optimised, fetch=fetch,
                                      eager=not fetch and not in_bodies)
             del optimised, graph, model   # the branches own it now
             result = branches.model()
+            hosts = _needs_library(result)
             bound = branches.plan, branches.weights, branches._dropped
             eager = branches.eager
             # the user's model is no longer needed: free it (and the IR graph
@@ -505,13 +569,35 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             shared = {n: views[n] for n in large if n in views}
             if len(shared) != len(large):
                 lean = None   # (malformed) every weight left out must be shared
-            found = data, bound[0], eager, shared, lean
+            found = data, bound[0], eager, shared, lean, hosts
             del views, bound, fallback
         except _NotSide:
             folder.cleanup()   # (cleaning up twice is harmless)
-            found = b"", None, False, {}, None
+            found = b"", None, False, {}, None, True
         hit.optimised[key] = found
-    return found if found[0] else (None, None, False, {}, None)
+    return found if found[0] else (None, None, False, {}, None, True)
+
+
+def _needs_library(model):
+    """Whether a session of ``model`` needs the extensions' op library: it
+    imports the extensions' domain (amanda's host nodes, or the user's own
+    ops of it). A model whose observed tensors are all fetched has no host
+    node and is created without it (see `session_options`)."""
+    return any(o.domain == CALLBACK_DOMAIN for o in model.opset_import)
+
+
+_PLAIN_DEFAULT = []
+
+
+def _plain_options(sess_options):
+    """The user's options, or amanda's default options without the
+    extensions' library (`session_options` registers it where a session
+    hosts routines)."""
+    if sess_options is not None:
+        return sess_options
+    if not _PLAIN_DEFAULT:
+        _PLAIN_DEFAULT.append(ort.SessionOptions())
+    return _PLAIN_DEFAULT[0]
 
 
 #: the file a lean model's shared initializers name (see `_lean`)
@@ -548,7 +634,7 @@ def _on_cpu(providers):
     return all(n == "CPUExecutionProvider" for n in names)
 
 
-def _shared(sess_options, providers, shared):
+def _shared(sess_options, providers, shared, hosts=True):
     """Fresh options (amanda's own: the user gave none) that make onnxruntime
     use ``shared`` (name -> read-only array over the cached bytes) as those
     initializers instead of copies (``SessionOptions.add_initializer``; the
@@ -557,7 +643,7 @@ def _shared(sess_options, providers, shared):
     to them would stay there) or a provider other than the CPU's runs."""
     if sess_options is not None or not shared or not _on_cpu(providers):
         return None, ()
-    options = _fresh_options()
+    options = _fresh_options(register=hosts)
     values = [ort.OrtValue.ortvalue_from_numpy(array) for array in shared.values()]
     for name, value in zip(shared, values):
         options.add_initializer(name, value)
@@ -664,15 +750,16 @@ def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
         del given
         return _original_init(self, path_or_bytes if hit.data is None else hit.data,
                               sess_options, providers, provider_options, **kwargs)
-    options = session_options(sess_options)
+    options = _plain_options(sess_options)
     data = plan = None
     eager = False
     shared = {}
     lowered = hit.data
     lean = None
+    hosts = True
     if hit.sides:
         try:
-            data, plan, eager, shared, lean = _side_branch_model(
+            data, plan, eager, shared, lean, hosts = _side_branch_model(
                 hit, given, sessions[-1], options, sess_options is None, providers,
                 provider_options, kwargs)
             if data is None:
@@ -683,8 +770,10 @@ def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
             del given
     else:
         del given
+    if hosts:
+        options = session_options(sess_options)
     if data is not None:
-        fresh, values = _shared(sess_options, providers, shared)
+        fresh, values = _shared(sess_options, providers, shared, hosts)
         folder = None
         if fresh is not None:
             options = fresh

@@ -1,0 +1,152 @@
+"""Observe-only sessions read the plan at its sites: no routine op is made.
+
+When every routine of a session created inside ``apply`` only looks and
+none sits in a body, the pipeline stops before lowering (``lower_when``) and
+the side branches read each action where its routine op would be
+(`amanda.runtime.onnx.sites`). Checked by difference: the side branches
+built from the sites and from the lowered routine ops are the same model
+and the same plan, fetched and hosted; the session's outputs and calls are
+the plain model's and the hosted one's; and lowering happens exactly where
+a routine may change the dataflow.
+"""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import amanda
+import amanda.passes.lower_actions as lowering_pass
+from amanda.runtime.onnx.host import _CALLBACKS
+from amanda.runtime.onnx.instrument import _instrument
+from amanda.runtime.onnx.lowering import lower
+from amanda.runtime.onnx.observe import _SideBranches
+from amanda.runtime.onnx.session import _optimised_by_onnxruntime, _plain_options
+from amanda.runtime.onnx.sites import SitedGraph, lowerable
+from amanda.tool import session_for
+from tests.onnx.conftest import mlp, ort, same
+
+
+def chain():
+    """x[2,4] -> MatMul W -> Add B -> Relu -> Softmax -> y: onnxruntime fuses
+    the first two, so the MatMul's output is recomputed for its observers."""
+    rng = np.random.default_rng(5)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+         helper.make_node("Add", ["m", "B"], ["a"], name="add"),
+         helper.make_node("Relu", ["a"], ["r"], name="relu"),
+         helper.make_node("Softmax", ["r"], ["y"], name="softmax", axis=-1)], "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
+         numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "B")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+class Observer(amanda.Tool):
+    """Two routines before and two after every op (recorded order matters),
+    and one that receives no tensor; every call is logged."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+        self.add_inst_for_op(self.analyse)
+
+    def analyse(self, context):
+        op = context.get_op_id()
+        context.insert_before_op(self.look, tag=f"{op}:before:1")
+        context.insert_before_op(self.look, inputs=[0], tag=f"{op}:before:2")
+        context.insert_after_op(self.look, tag=f"{op}:after:1")
+        context.insert_after_op(self.count, outputs=[], tag=f"{op}:after:2")
+
+    def look(self, *arrays, tag):
+        self.log.append((tag, tuple(float(np.sum(a)) for a in arrays if a is not None)))
+
+    def count(self, tag):
+        self.log.append((tag, ()))
+
+
+class Replacer(Observer):
+    def analyse(self, context):
+        super().analyse(context)
+        if context.get_op_name() == "Relu":
+            context.replace_op(lambda x: np.maximum(x, 0))
+
+
+MODELS = {"mlp": mlp, "chain": chain}
+
+
+def _plan(branches):
+    """What a side-branch model computes, keys aside: the nodes and outputs
+    it adds, and for each fetched routine its site and tensors."""
+    model = branches.model()
+    nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    fetched = [(_CALLBACKS[key].where, _CALLBACKS[key].action.kwargs, names)
+               for key, names in branches.fetched]
+    return nodes, [o.name for o in model.graph.output], fetched
+
+
+@pytest.mark.parametrize("fetch", [True, False], ids=["fetched", "hosted"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sites_give_the_side_branches_what_routine_ops_give(name, fetch):
+    user = MODELS[name]()
+    session = session_for([Observer()])
+    lowered, observing = _instrument(user, session, callbacks=True, apart=True)
+    assert lowered is None and isinstance(observing.top, SitedGraph)
+    sited = observing.top
+    routine_ops = sited.lowered()
+    assert sum(op.type == lowering_pass.ROUTINE for op in routine_ops) == \
+        sum(op.type == lowering_pass.ROUTINE for op in sited) == 4 * len(user.graph.node)
+    results = []
+    for graph in (sited, routine_ops):
+        folder, optimised = _optimised_by_onnxruntime(
+            user.SerializeToString(), _plain_options(None), True, ["CPUExecutionProvider"],
+            None, {})
+        try:
+            results.append(_plan(_SideBranches(graph, user, optimised, fetch=fetch,
+                                               eager=not fetch)))
+        finally:
+            folder.cleanup()
+    assert results[0] == results[1]
+    assert any("recomputed" in n for _, _, outputs in results[0][0] for n in outputs)
+    # written with the routines in the dataflow, both are one model
+    written = [lower(g) for g in (lowerable(sited), routine_ops)]
+    assert [(n.op_type, list(n.input)) for n in written[0].graph.node] == \
+        [(n.op_type, list(n.input)) for n in written[1].graph.node]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_observe_only_session_lowers_nothing_and_sees_what_a_hosted_one_sees(
+        name, monkeypatch):
+    user = MODELS[name]()
+    data = user.SerializeToString()
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    lowered = []
+    real = lowering_pass.lower_actions
+    monkeypatch.setattr(lowering_pass, "lower_actions",
+                        lambda *a, **k: lowered.append(1) or real(*a, **k))
+    logs = []
+    for hosted in (False, True):
+        tool = Observer()
+        with amanda.apply(tool):
+            if hosted:
+                with amanda.runtime.onnx.hosted_observation():
+                    made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+            else:
+                made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        assert all(same(a, b) for a, b in zip(want, made.run(None, {"x": x})))
+        logs.append(tool.log)
+    assert not lowered
+    assert logs[0] == logs[1] and len(logs[0]) == 4 * len(user.graph.node)
+    # the order of the sites: each op's routines in recorded order, ops in order
+    tags = [tag for tag, _ in logs[0]]
+    ops = list(dict.fromkeys(t.split(":")[0] for t in tags))
+    assert tags == [f"{op}:{point}" for op in ops
+                    for point in ("before:1", "before:2", "after:1", "after:2")]
+    # a routine that may change the dataflow is lowered
+    with amanda.apply(Replacer()):
+        made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    made.run(None, {"x": x})
+    assert lowered == [1]
