@@ -71,18 +71,12 @@ class SitedGraph:
             if not entry:
                 items.append(op)
                 continue
-            for action in entry.before:
-                tensors = op.inputs
-                items.append(Site(action, op, [tensors[p] for p in selected(tensors, action, op)]))
+            items.extend(_sites(op, entry.before, op.inputs))
             items.append(op)
             # (a replacing action is never observe-only: its site is only
             # there for `observes_only` to say so)
-            for action in entry.replace:
-                tensors = op.inputs
-                items.append(Site(action, op, [tensors[p] for p in selected(tensors, action, op)]))
-            for action in entry.after:
-                tensors = op.outputs
-                items.append(Site(action, op, [tensors[p] for p in selected(tensors, action, op)]))
+            items.extend(_sites(op, entry.replace, op.inputs))
+            items.extend(_sites(op, entry.after, op.outputs))
         self.ops = items
 
     def __iter__(self):
@@ -115,6 +109,11 @@ class SitedGraph:
         """A copy of the graph with the plan lowered into routine ops, as the
         pipeline would have returned it."""
         return lower_actions(self.graph, self.plan)
+
+
+def _sites(op, actions, tensors):
+    return [Site(action, op, [tensors[p] for p in selected(tensors, action, op)])
+            for action in actions]
 
 
 def lowerable(graph):
