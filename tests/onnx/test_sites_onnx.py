@@ -16,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 import amanda
 import amanda.passes.lower_actions as lowering_pass
-from amanda.runtime.onnx.host import _CALLBACKS
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
 from amanda.runtime.onnx.observe import _SideBranches
@@ -82,8 +81,8 @@ def _plan(branches):
     it adds, and for each fetched routine its site and tensors."""
     model = branches.model()
     nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
-    fetched = [(_CALLBACKS[key].where, _CALLBACKS[key].action.kwargs, names)
-               for key, names in branches.fetched]
+    fetched = [(callback.where, callback.action.kwargs, names)
+               for callback, names in branches.fetched]
     return nodes, [o.name for o in model.graph.output], fetched
 
 

@@ -192,36 +192,61 @@ def _inferred(onnx, model, data_prop):
 
 def _collect_types(graph):
     types = {}
-    for info in list(graph.input) + list(graph.output) + list(graph.value_info):
-        if info.HasField("type"):
-            types.setdefault(info.name, info.type)
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                for name, value in _collect_types(sub).items():
-                    types.setdefault(name, value)
+    for infos in (graph.input, graph.output, graph.value_info):
+        for info in infos:
+            if info.HasField("type"):
+                types.setdefault(info.name, info.type)
+    for sub in _node_bodies(graph):
+        for name, value in _collect_types(sub).items():
+            types.setdefault(name, value)
     return types
 
 
 def _collect_outputs(graph, names):
     for node in graph.node:
-        names.update(o for o in node.output if o)
+        names.update(node.output)
+    names.discard("")
+    for sub in _node_bodies(graph):
+        _collect_outputs(sub, names)
+
+
+def _node_bodies(graph):
+    """The graphs in the GRAPH and GRAPHS attributes of the nodes of
+    ``graph`` (one level; what the lifter lifts as bodies)."""
+    for node in graph.node:
         for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                _collect_outputs(sub, names)
+            kind = attr.type
+            if kind == 5:   # GRAPH
+                yield attr.g
+            elif kind == 10:   # GRAPHS
+                yield from attr.graphs
 
 
-def tensor_attrs(type_proto):
-    """``dtype``, ``shape`` and ``onnx_type`` attrs of a value of ONNX type ``type_proto``."""
+def tensor_attrs(type_proto, known=None):
+    """``dtype``, ``shape`` and ``onnx_type`` attrs of a value of ONNX type ``type_proto``.
+
+    ``known``: a dict the caller keeps across calls, serialized type ->
+    ``(dtype, shape)``: reading a shape dimension by dimension is the dear
+    part, and a model's values share few types."""
     if type_proto is None:
         return {"dtype": None, "shape": None}
     attrs = {"dtype": None, "shape": None, "onnx_type": ProtoAttr(type_proto)}
+    key = None
+    if known is not None:
+        key = type_proto.SerializeToString()
+        found = known.get(key)
+        if found is not None:
+            attrs["dtype"] = found[0]
+            attrs["shape"] = None if found[1] is None else list(found[1])
+            return attrs
     if type_proto.HasField("tensor_type"):
         tensor = type_proto.tensor_type
         attrs["dtype"] = dtype_name(tensor.elem_type)
         if tensor.HasField("shape"):
             attrs["shape"] = [d.dim_value if d.HasField("dim_value") else None
                               for d in tensor.shape.dim]
+    if key is not None:
+        known[key] = (attrs["dtype"], None if attrs["shape"] is None else tuple(attrs["shape"]))
     return attrs
 
 
@@ -275,6 +300,7 @@ class _Lifter:
         self.nodes = nodes
         self.protos = {}   # IR op -> its NodeProto, at every depth
         self.declared = set()
+        self.known_types = {}   # for `tensor_attrs`
 
     def graph(self, proto, outer, label="graph"):
         """An IR graph for ``proto``; ``outer`` maps enclosing names -> True
@@ -341,6 +367,9 @@ class _Lifter:
             BackendError: an input no one produces, a name produced twice, or
                 a cycle; the message names the node.
         """
+        nodes = list(proto.node)
+        if self._in_order(nodes, scope):
+            return list(enumerate(nodes))
         producers = {}
         for index, node in enumerate(proto.node):
             for name in node.output:
@@ -375,46 +404,84 @@ class _Lifter:
             needs.append(node_needs)
         return [(i, proto.node[i]) for i in _topological(needs, proto.node)]
 
+    @staticmethod
+    def _in_order(nodes, scope):
+        """Whether the file's order is already a valid topological order
+        (the usual case, checked in one pass): every node reads only what
+        the graph's inputs, initializers, enclosing graphs or earlier nodes
+        define, and defines each name once. Nodes with bodies are left to
+        the full check. `_ordered` then gives the same order (Kahn's
+        algorithm taking the earliest ready node keeps a topological
+        order)."""
+        if scope.outer is not None:
+            return False   # (a body: the full check resolves enclosing names)
+        defined = set(scope.env)
+        defined.add("")   # an absent optional input
+        count = len(defined)
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.type in (5, 10):   # GRAPH, GRAPHS
+                    return False
+            if not defined.issuperset(node.input):
+                return False
+            outputs = [name for name in node.output if name]
+            defined.update(outputs)
+            count += len(outputs)
+            if len(defined) != count:   # a name defined twice
+                return False
+        return True
+
     def _node(self, graph, node, index, scope):
+        # (each protobuf field is read once: a read makes a new wrapper)
         attrs, types, captures = {}, {}, []
+        bodies = False
         for attr in node.attribute:
-            value = self._attribute(node, index, attr, scope, captures)
-            attrs[attr.name] = value
-            types[attr.name] = _ATTR_TYPE_NAMES[attr.type]
-        meta = {"name": node.name, "domain": node.domain, "attribute_types": types}
-        if node.doc_string:
-            meta["doc_string"] = node.doc_string
-        if node.overload:
-            meta["overload"] = node.overload
-        inputs = [scope.lookup(name) if name else scope.absent() for name in node.input]
+            name, kind = attr.name, attr.type
+            attrs[name] = self._attribute(node, index, attr, scope, captures)
+            types[name] = _ATTR_TYPE_NAMES[kind]
+            bodies = bodies or kind in (5, 10)   # GRAPH, GRAPHS
+        node_name = node.name
+        meta = {"name": node_name, "domain": node.domain, "attribute_types": types}
+        doc, overload = node.doc_string, node.overload
+        if doc:
+            meta["doc_string"] = doc
+        if overload:
+            meta["overload"] = overload
+        names = list(node.input)
+        env = scope.env
+        inputs = [(env.get(name) or scope.lookup(name)) if name else scope.absent()
+                  for name in names]
         if captures:
-            meta["num_inputs"] = len(node.input)
+            meta["num_inputs"] = len(names)
             meta["captures"] = captures
             inputs.extend(scope.lookup(name) for name in captures)
         attrs["_onnx"] = meta
-        op = graph.create_op(node.op_type, inputs, num_outputs=len(node.output), attrs=attrs,
-                             name=node.name or node.op_type,
-                             output_names=[name or ABSENT for name in node.output])
-        for tensor, name in zip(op.outputs, node.output):
+        outputs = list(node.output)
+        op = graph.create_op(node.op_type, inputs, num_outputs=len(outputs), attrs=attrs,
+                             name=node_name or node.op_type,
+                             output_names=[name or ABSENT for name in outputs])
+        types, known, declared = self.types, self.known_types, self.declared
+        for tensor, name in zip(op.outputs, outputs):
             if not name:
                 tensor.attrs = {"absent": True, "dtype": None, "shape": None}
                 continue
             if tensor.name != name:
                 raise BackendError(f"{_node_label(node, index)}: output name {name!r} clashes")
-            tensor.attrs = tensor_attrs(self.types.get(name))
-            if name in self.declared:
+            tensor.attrs = tensor_attrs(types.get(name), known)
+            if name in declared:
                 tensor.attrs["value_info"] = True
-            scope.env[name] = tensor
+            env[name] = tensor
         self.protos[op] = node
         # ops of a body are named after the node holding it, "<op>/<attribute>/<name>"
         # (nested bodies repeat the pattern), so every op of the model has a
         # stable id of its own: bodies often reuse names ("add" in then_branch
         # and in else_branch)
-        for key, value in attrs.items():
-            if key == "_onnx" or isinstance(value, (int, float, str)):
-                continue
-            for position, sub in iter_graphs(value):
-                _prefix_ops(sub, f"{op.name}/{key}{position}/")
+        if bodies:
+            for key, value in attrs.items():
+                if key == "_onnx" or isinstance(value, (int, float, str)):
+                    continue
+                for position, sub in iter_graphs(value):
+                    _prefix_ops(sub, f"{op.name}/{key}{position}/")
 
     def _attribute(self, node, index, attr, scope, captures):
         onnx = _onnx()

@@ -27,7 +27,7 @@ from amanda.runtime.routines import observe_after_run, returns_only_none
 from amanda.runtime.onnx.bodies import (_bodies, _body_proto, _collect_proto_names,
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
-from amanda.runtime.onnx.host import (_CALLBACKS, _HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
+from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
                                       _catalog, _register_callback, refused_run,
                                       run_methods)
 from amanda.runtime.onnx.lowering import _Lowering
@@ -77,7 +77,7 @@ class _SideBranches(_Lowering):
         super().__init__(graph, callbacks=True)
         self.fetch = fetch
         self.eager = eager and not fetch
-        self.fetched = []   # (routine key, names of its tensors), in program order
+        self.fetched = []   # (its `_Callback`, names of its tensors), in program order
         self._declared = set()
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
@@ -85,6 +85,7 @@ class _SideBranches(_Lowering):
         # {position: initializer name})], bound to views by `bind_weights`
         self.weights = []
         self._dropped = {}
+        self.into_bodies = False   # routines were attached inside bodies
         self.result = optimized   # owned from here on: the caller does not keep it
         self.original = model
         proto = self.result.graph
@@ -112,7 +113,10 @@ class _SideBranches(_Lowering):
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
         # weights copied in for routines that no node reads are not in the
         # model the session runs: the plan or the callbacks keep their values
-        self._dropped = _drop_unread_initializers(self.result.graph, self.copied)
+        # the copies have fresh names: only what amanda appended may read
+        # them (at top level, unless routines went into bodies)
+        self._dropped = _drop_unread_initializers(
+            self.result.graph, self.copied, 0 if self.into_bodies else own)
         if self.plan is not None:
             self.plan.constants.update({n: _read_only(a) for n, a in self._dropped.items()
                                         if n in self.plan.constants})
@@ -189,6 +193,7 @@ class _SideBranches(_Lowering):
             self.scope = saved[1]
 
     def _attach_body(self, op, attr, index, body, proto, original):
+        self.into_bodies = True
         outputs = [self.names.get(t, t.name) if not t.attrs.get("absent") else ""
                    for t in op.outputs]
         mine = _holding_node(original, op.type, outputs)
@@ -211,8 +216,8 @@ class _SideBranches(_Lowering):
         inputs = list(op.inputs)
         in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
         hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
-        key = _register_callback(_Callback(action, where, len(inputs), hosted, [], False,
-                                           observe=True))
+        # (not registered by key: no node calls it; the plan holds it)
+        callback = _Callback(action, where, len(inputs), hosted, [], False, observe=True)
         names = []
         for i in hosted:
             name = self.name(inputs[i])
@@ -220,7 +225,7 @@ class _SideBranches(_Lowering):
             self._declare_output(inputs[i], name)
         for tensor, source in zip(op.outputs, inputs):
             self._alias(tensor, self.name(source))
-        self.fetched.append((key, names))
+        self.fetched.append((callback, names))
 
     def _declare_output(self, tensor, name):
         """Make ``name`` an output of the top graph (once; not for graph
@@ -377,7 +382,7 @@ class _FetchPlan:
     thread: concurrent runs never share anything but the (immutable) plan.
 
     Args:
-        fetched: ``(routine key, [tensor name per hosted slot])`` in program order.
+        fetched: ``(_Callback, [tensor name per hosted slot])`` in program order.
         proto: the top graph of the model the session runs (outputs added).
         outputs: the names of the model's own outputs.
     """
@@ -386,7 +391,7 @@ class _FetchPlan:
                  "_fed_types", "read")
 
     def __init__(self, fetched, proto, outputs):
-        self.calls = [(_CALLBACKS[key], names) for key, names in fetched]
+        self.calls = list(fetched)
         self.outputs = list(outputs)
         self._own = frozenset(self.outputs)
         self.inputs = {i.name for i in proto.input}
@@ -472,23 +477,24 @@ def _element_type(value_info):
         return None
 
 
-def _drop_unread_initializers(proto, names):
-    """Remove the initializers among ``names`` that no node reads: a
-    routine that observes a weight gets it from `_FetchPlan`, and
-    onnxruntime refuses an unread initializer that is not a graph input
-    (IR < 4). Returns their values (copies), by name."""
+def _drop_unread_initializers(proto, names, start=0):
+    """Remove the initializers among ``names`` that no node reads (from
+    the ``start``-th node of the top graph on; bodies always): a routine
+    that observes a weight gets it from `_FetchPlan`, and onnxruntime
+    refuses an unread initializer that is not a graph input (IR < 4).
+    Returns their values (copies), by name."""
     if not names:
         return {}
     read = set()
 
-    def collect(graph):
-        for node in graph.node:
+    def collect(graph, start=0):
+        for node in graph.node[start:]:
             read.update(node.input)
             for attribute in node.attribute:
                 for sub in ([attribute.g] if attribute.HasField("g") else []) + \
                         list(attribute.graphs):
                     collect(sub)
-    collect(proto)
+    collect(proto, start)
     keep = [i for i in proto.initializer if i.name not in names or i.name in read]
     dropped = {i.name: numpy_helper.to_array(i) for i in proto.initializer
                if i.name in names and i.name not in read}

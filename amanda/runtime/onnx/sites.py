@@ -112,7 +112,8 @@ class SitedGraph:
 
 
 def _sites(op, actions, tensors):
-    return [Site(action, op, [tensors[p] for p in selected(tensors, action, op)])
+    return [Site(action, op, tensors if action.positions is None
+                 else [tensors[p] for p in selected(tensors, action, op)])
             for action in actions]
 
 
