@@ -34,6 +34,9 @@ from amanda.runtime.onnx.lowering import _Lowering
 from amanda.runtime.onnx.wire import initializer_views
 
 
+_UNSEEN = object()
+
+
 class _NotSide(Exception):
     """A side branch cannot be attached to the optimised graph."""
 
@@ -86,6 +89,7 @@ class _SideBranches(_Lowering):
         self.weights = []
         self._dropped = {}
         self.into_bodies = False   # routines were attached inside bodies
+        self._fetched_names = {}   # tensor -> its fetched name (None: not hosted)
         self.result = optimized   # owned from here on: the caller does not keep it
         self.original = model
         proto = self.result.graph
@@ -213,16 +217,25 @@ class _SideBranches(_Lowering):
             return super()._callback(op, action, where)
         if not self.fetch:
             return self._hosted_callback(op, action, where)
-        inputs = list(op.inputs)
-        in_types = [None if t.attrs.get("absent") else self.tensor_type(t)[0] for t in inputs]
-        hosted = [i for i, t in enumerate(in_types) if t in _HOSTED_DTYPES]
+        inputs = op.inputs
+        hosted, names = [], []
+        fetched = self._fetched_names
+        for i, tensor in enumerate(inputs):
+            # a tensor is mostly observed twice (after its producer, before
+            # its reader): typed, named and declared once
+            name = fetched.get(tensor, _UNSEEN)
+            if name is _UNSEEN:
+                name = None
+                if not tensor.attrs.get("absent") and \
+                        self.tensor_type(tensor)[0] in _HOSTED_DTYPES:
+                    name = self.name(tensor)
+                    self._declare_output(tensor, name)
+                fetched[tensor] = name
+            if name is not None:
+                hosted.append(i)
+                names.append(name)
         # (not registered by key: no node calls it; the plan holds it)
         callback = _Callback(action, where, len(inputs), hosted, [], False, observe=True)
-        names = []
-        for i in hosted:
-            name = self.name(inputs[i])
-            names.append(name)
-            self._declare_output(inputs[i], name)
         for tensor, source in zip(op.outputs, inputs):
             self._alias(tensor, self.name(source))
         self.fetched.append((callback, names))

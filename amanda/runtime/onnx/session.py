@@ -34,7 +34,7 @@ from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_s
                                       run_methods, session_options)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
-from amanda.runtime.onnx.sites import lowerable
+from amanda.runtime.onnx.sites import SitedGraph, lowerable
 from amanda.runtime.observation import choosing, current_choice, fetch_budget
 from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
                                          bind_weights)
@@ -175,7 +175,9 @@ class _Instrumented:
         self.observed = None
         if side is not None:
             graph = side[0]
-            self.observed = (_bodies_host_routines(graph), _timed(graph), _observed_bytes(graph))
+            # (a plan read at its sites has no routine in a body, by its rule)
+            in_bodies = not isinstance(graph, SitedGraph) and _bodies_host_routines(graph)
+            self.observed = (in_bodies, _timed(graph), _observed_bytes(graph))
         self.optimised = {}
 
     def side_graph(self, given, session):
