@@ -709,6 +709,45 @@ class _WithPooler(torch.nn.Module):
         return hidden, torch.tanh(self.pool(hidden))
 
 
+def test_a_backward_that_raised_leaves_no_note_for_another_function():
+    """A compiled function's autograd node notes, in its pre-hook, which
+    outputs got no gradient, for its backward graph to read. If the
+    backward raises between the two (a user's hook on the node), the note
+    must not reach the next compiled function's backward: there it would
+    skip the points of an output that does get a gradient. Model A's
+    backward raises with its pooler unused; model B (another compiled
+    function, both outputs used) then runs its pooler's points as eagerly."""
+    def step(model, run, tool, raising):
+        with amanda.apply(tool):
+            hidden, pooled = run(x)
+            if raising:
+                def fail(grads):
+                    raise RuntimeError("the user's hook")
+                hidden.grad_fn.register_prehook(fail)
+                with pytest.raises(RuntimeError, match="the user's hook"):
+                    (hidden ** 2).mean().backward()
+                return
+            ((hidden ** 2).mean() + pooled.sum()).backward()
+
+    x = torch.randn(5, 6)
+    results = {}
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        first, second = _WithPooler(False).train(), _WithPooler(False).train()
+        runs = [m if backend is None else torch.compile(m, backend=backend)
+                for m in (first, second)]
+        tool = CountBackward()
+        step(first, runs[0], tool, raising=True)
+        counted = CountBackward()
+        step(second, runs[1], counted, raising=False)
+        torch._dynamo.reset()
+        results[backend] = counted
+    eager, compiled = results[None], results["aot_eager"]
+    pooler = {k for k, (op, name, _) in eager.names.items() if name == "TanhBackward0"}
+    assert pooler and all(compiled.executions[k] == 1 for k in pooler)
+    assert compiled.executions == eager.executions
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "batch-norm"])
 def test_an_output_the_step_does_not_use_has_no_backward_points(norm):
     """AOTAutograd's backward graph takes a gradient for the pooled output

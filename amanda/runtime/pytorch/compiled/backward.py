@@ -481,7 +481,13 @@ class _Unreached:
 def _note_missing(grads):
     """Pre-hook of a compiled function's autograd node: which of its
     outputs have no gradient in this backward (autograd then hands the
-    function zeros), for the backward graph it runs next on this thread."""
+    function zeros), for the backward graph it runs next on this thread.
+
+    A note left behind (the backward raised between this hook and its
+    graph, e.g. in a user's hook on the node) reaches no other function:
+    every node with points has this hook, which overwrites the note right
+    before its own graph runs (tests/pytorch/test_compiled_backward.py,
+    ``test_a_backward_that_raised_leaves_no_note_for_another_function``)."""
     _pending.none = frozenset(i for i, g in enumerate(grads) if g is None) or None
 
 
