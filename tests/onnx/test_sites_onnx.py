@@ -149,3 +149,45 @@ def test_an_observe_only_session_lowers_nothing_and_sees_what_a_hosted_one_sees(
         made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     made.run(None, {"x": x})
     assert lowered == [1]
+
+
+@pytest.mark.parametrize("interval", [None, 0.001])
+def test_the_switch_interval_is_restored_after_the_optimisation_ahead(interval):
+    """The optimisation ahead runs on a thread with the switch interval
+    lowered (`_SwitchInterval`); once the session is made it is what it
+    was, the default or the user's own, also when amanda's work failed."""
+    import sys
+    from amanda.runtime.onnx import session as driver
+    saved = sys.getswitchinterval()
+    try:
+        if interval is not None:
+            sys.setswitchinterval(interval)
+        want = sys.getswitchinterval()
+        seen = []
+        real = driver._optimised_by_onnxruntime
+
+        def optimise(*args, **kwargs):
+            seen.append(sys.getswitchinterval())
+            return real(*args, **kwargs)
+
+        driver._optimised_by_onnxruntime, restore = optimise, real
+        try:
+            with amanda.apply(Observer()):
+                ort.InferenceSession(chain().SerializeToString(),
+                                     providers=["CPUExecutionProvider"])
+            assert seen and abs(seen[0] - driver._SwitchInterval.LOW) < 1e-6 < want - seen[0]
+            assert sys.getswitchinterval() == want
+
+            class Failing(Observer):
+                def analyse(self, context):
+                    raise ValueError("the tool's bug")
+
+            with pytest.raises(amanda.ToolError, match="the tool's bug"):
+                with amanda.apply(Failing()):
+                    ort.InferenceSession(chain().SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+            assert len(seen) == 2 and sys.getswitchinterval() == want
+        finally:
+            driver._optimised_by_onnxruntime = restore
+    finally:
+        sys.setswitchinterval(saved)

@@ -462,6 +462,7 @@ class _SwitchInterval:
         self._lock = threading.Lock()
         self._running = 0
         self._saved = None
+        self._set = None   # what the interpreter reads back (it keeps microseconds)
 
     def enter(self):
         with self._lock:
@@ -470,13 +471,14 @@ class _SwitchInterval:
                 if current > self.LOW:
                     self._saved = current
                     sys.setswitchinterval(self.LOW)
+                    self._set = sys.getswitchinterval()
             self._running += 1
 
     def leave(self):
         with self._lock:
             self._running -= 1
             if self._running == 0 and self._saved is not None:
-                if sys.getswitchinterval() == self.LOW:
+                if sys.getswitchinterval() == self._set:
                     sys.setswitchinterval(self._saved)
                 self._saved = None
 
