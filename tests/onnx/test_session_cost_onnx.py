@@ -83,3 +83,85 @@ def test_an_observing_session_imports_no_torch_and_collects_nothing():
     assert out["False"] == {"seen": 2, "y": 16.0}, out
     assert out["True"] == {"seen": 2, "y": 128.0}, out   # (2x * 2W) * 2
     assert out["same"] and out["again"] == 128.0, out
+
+
+def _long_chain(length=60):
+    """x -> (Relu -> Add 1) * length -> y: enough ops that instrumenting it
+    allocates thousands of objects."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    nodes, last = [], "x"
+    for k in range(length):
+        nodes.append(helper.make_node("Relu", [last], [f"r{k}"], name=f"relu{k}"))
+        nodes.append(helper.make_node("Add", [f"r{k}", "one"], [f"a{k}"], name=f"add{k}"))
+        last = f"a{k}"
+    nodes.append(helper.make_node("Identity", [last], ["y"], name="out"))
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.ones(3, np.float32), "one")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_the_collector_is_paused_while_a_session_is_instrumented():
+    """Python's cyclic collector is off while amanda instruments the model
+    (`amanda.runtime.collector`): no collection runs inside the creation
+    but the one young collection when the pause ends, and the collector is
+    on again after it; a collector the user turned off stays off."""
+    import gc
+
+    import numpy as np
+    import onnxruntime as ort
+
+    import amanda
+
+    class Look(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.enabled = set()
+            self.seen = 0
+            self.add_inst_for_op(self.analyse, require_outputs=True)
+
+        def analyse(self, context):
+            self.enabled.add(gc.isenabled())
+            context.insert_before_op(self.look)
+            context.insert_after_op(self.look)
+
+        def look(self, *arrays):
+            self.seen += 1
+
+    data = _long_chain()
+    x = np.full((2, 3), -1.0, np.float32)
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    started = []
+
+    def note(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.callbacks.append(note)
+    try:
+        for _ in range(3):
+            tool = Look()
+            with amanda.apply(tool):
+                gc.collect(0)
+                del started[:]
+                session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+                made = list(started)
+                got = session.run(None, {"x": x})
+            assert made == [0], made
+            assert tool.enabled == {False} and gc.isenabled()
+            assert np.array_equal(got[0], want[0]) and tool.seen == 2 * 121
+        gc.disable()
+        try:
+            tool = Look()
+            with amanda.apply(tool):
+                ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+            assert tool.enabled == {False} and not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(note)

@@ -47,6 +47,11 @@ def lower(ir_graph, callbacks=True):
 class _Lowering(RoutineNodes):
     """One IR graph (and its nested graphs) -> one ModelProto."""
 
+    #: fresh names avoid every name of the IR graph (the model written is
+    #: made of them); a subclass writing into another model collects that
+    #: model's names itself
+    NAMES_FROM_IR = True
+
     def __init__(self, graph, callbacks):
         self.top = graph
         self.callbacks = callbacks
@@ -79,7 +84,8 @@ class _Lowering(RoutineNodes):
         self._new_initializers_as_inputs = False
         self.names = {}
         self.used = set()
-        _collect_names(graph, self.used)
+        if self.NAMES_FROM_IR:
+            _collect_names(graph, self.used)
         self.types = {}
         self.graph_proto = None   # the GraphProto being written
         self.ops_by_name = {}

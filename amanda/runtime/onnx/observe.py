@@ -76,6 +76,11 @@ class _SideBranches(_Lowering):
             graph; the routines then run in the user's graph.
     """
 
+    #: the result holds the optimised model's names (collected below) and
+    #: fresh ones: the user's names are written only where the optimised
+    #: model still has them
+    NAMES_FROM_IR = False
+
     def __init__(self, graph, model, optimized, fetch=False, eager=False):
         super().__init__(graph, callbacks=True)
         self.fetch = fetch
@@ -344,23 +349,33 @@ def _sort_nodes_eagerly(proto, own):
         proto.node.extend(nodes[k] for k in order)
 
 
-def bind_weights(data, graph, plan, weights, dropped):
+def bind_weights(data, graph, plan, weights, dropped, views=None):
     """Give `_SideBranches`' routines their weights: views over ``data`` (the
     serialized result, kept by the cache) where possible, else copies. Needs
     only the result's ``graph`` and the branches' ``plan``, ``weights`` and
-    ``_dropped``: the branches (and the user's model) are freed before."""
+    ``_dropped``: the branches (and the user's model) are freed before.
+    ``views``: `initializer_views` of ``data`` the caller made already (for
+    every initializer it holds), so ``data`` is not walked again."""
     if plan is not None:
-        plan.bind(data, graph)
+        plan.bind(data, graph, views)
     names = {n for _, slots in weights for n in slots.values()}
     if not names:
         return
-    values = initializer_views(data, names)
+    values = _views_of(data, names, views)
     for initializer in graph.initializer:
         if initializer.name in names and initializer.name not in values:
             values[initializer.name] = numpy_helper.to_array(initializer)
     values.update((n, a) for n, a in dropped.items() if n in names)
     for callback, slots in weights:
         callback.constants = {i: _read_only(values[n]) for i, n in slots.items()}
+
+
+def _views_of(data, names, views):
+    """`initializer_views` of ``data`` for ``names``, taken from ``views``
+    (made for all of its initializers) when given."""
+    if views is None:
+        return initializer_views(data, names)
+    return {n: views[n] for n in names if n in views}
 
 
 class _Available:
@@ -422,11 +437,12 @@ class _FetchPlan:
         self.read = frozenset(self.extra) | frozenset(self._fed)
         self._steps = [_step(callback, names) for callback, names in self.calls]
 
-    def bind(self, data, proto):
+    def bind(self, data, proto, views=None):
         """Read the observed initializers: views over ``data`` (the serialized
         model the session is created from, which the session cache keeps)
-        where the wire format allows, copies from ``proto`` otherwise."""
-        views = initializer_views(data, self.constants)
+        where the wire format allows, copies from ``proto`` otherwise.
+        ``views``: see `bind_weights`."""
+        views = _views_of(data, self.constants, views)
         for initializer in proto.initializer:   # (``proto`` may hold only those)
             if initializer.name in self.constants and initializer.name not in views:
                 views[initializer.name] = numpy_helper.to_array(initializer)

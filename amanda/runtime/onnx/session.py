@@ -27,6 +27,7 @@ from amanda import controls
 from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
+from amanda.runtime.collector import paused
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx.bodies import _bodies_host_routines
 from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_session,
@@ -569,7 +570,7 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 # malformed, or external data of a type no view is made of: copy from it
                 fallback = onnx.ModelProto.FromString(data).graph
             # observed weights: views over the bytes kept here, not copies
-            bind_weights(data, fallback, *bound)
+            bind_weights(data, fallback, *bound, views=views)
             shared = {n: views[n] for n in large if n in views}
             if len(shared) != len(large):
                 lean = None   # (malformed) every weight left out must be shared
@@ -665,7 +666,7 @@ def _patched_init(self, path_or_bytes, sess_options=None, providers=None,
     # the routines' callbacks live as long as the amanda session, which this
     # InferenceSession keeps (host.owned_by)
     self._amanda_owner = sessions[-1]
-    with owned_by(sessions[-1]):
+    with owned_by(sessions[-1]), paused():   # (amanda.runtime.collector)
         _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
                             provider_options, **kwargs)
     # what the session is made from, so that a run inside cache_disabled()
@@ -723,7 +724,7 @@ def _made_again(session):
     outer = {method: session.__dict__.pop(method) for method in run_methods()
              if method in session.__dict__}
     try:
-        with owned_by(owner), choosing(choice):
+        with owned_by(owner), choosing(choice), paused():
             _patched_init_owned(session, [owner], path_or_bytes, sess_options, providers,
                                 provider_options, **kwargs)
     finally:
