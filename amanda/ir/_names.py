@@ -45,10 +45,12 @@ class NameTable:
             del self._owners[name]
 
     def _fresh_number(self):
-        while str(self._next_number) in self._owners:
-            self._next_number += 1
-        name = str(self._next_number)
-        self._next_number += 1
+        number, owners = self._next_number, self._owners
+        name = str(number)
+        while name in owners:
+            number += 1
+            name = str(number)
+        self._next_number = number + 1
         return name
 
     def _fresh_from(self, base):

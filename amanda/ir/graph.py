@@ -1,7 +1,5 @@
 """The `Graph`: ops in program order over SSA tensors, with an insertion cursor."""
 
-import contextlib
-
 from ._core import Op, Tensor, _check_tensor_of
 from ._names import NameTable
 from ._order import OpOrder
@@ -198,14 +196,21 @@ class Graph:
         self._check_cursor()  # may refuse, so before anything changes
         op = Op(self, type, self.namespace if namespace is None else namespace, {} if attrs is None else attrs, None)
         op._name = self._op_names.claim(op, type if name is None else name)
+        # written out rather than through _new_tensor: lifting and lowering
+        # create every op of a graph here
+        claim, outputs = self._tensor_names.claim, []
         names = [None] * num_outputs if output_names is None else list(output_names)
-        op._outputs = tuple(self._new_tensor(op, i, names[i], {}) for i in range(num_outputs))
+        for i in range(num_outputs):
+            tensor = Tensor(self, op, i, None, {})
+            tensor._name = claim(tensor, names[i])
+            outputs.append(tensor)
+        op._outputs = tuple(outputs)
         op._attach_inputs(inputs)
-        op._attach_control_inputs(control_inputs)
+        if control_inputs:
+            op._attach_control_inputs(control_inputs)
         self._insert(op)
         return op
 
-    @contextlib.contextmanager
     def inserting_before(self, op):
         """Within the block, `create_op` inserts ops just before ``op``, in order.
 
@@ -215,10 +220,8 @@ class Graph:
         Raises:
             IRError: ``op`` is not an op of this graph.
         """
-        with self._moved_cursor(op, after=False):
-            yield
+        return _MovedCursor(self, op, after=False)
 
-    @contextlib.contextmanager
     def inserting_after(self, op):
         """Within the block, `create_op` inserts ops after ``op``, in order.
 
@@ -232,8 +235,7 @@ class Graph:
         Raises:
             IRError: ``op`` is not an op of this graph.
         """
-        with self._moved_cursor(op, after=True):
-            yield
+        return _MovedCursor(self, op, after=True)
 
     # -- removing and replacing ----------------------------------------------
 
@@ -350,7 +352,9 @@ class Graph:
     def _check_new_op(self, op_type, inputs, num_outputs, control_inputs, name, output_names):
         if not isinstance(op_type, str):
             raise IRError(f"op type must be a str, got {op_type!r}")
-        for requested in [name] + list(output_names or ()):
+        if name is not None and not isinstance(name, str):
+            raise IRError(f"names must be str, got {name!r}")
+        for requested in output_names or ():
             if requested is not None and not isinstance(requested, str):
                 raise IRError(f"names must be str, got {requested!r}")
         if not isinstance(num_outputs, int) or num_outputs < 0:
@@ -382,16 +386,6 @@ class Graph:
         if not isinstance(op, Op) or op not in self._order:
             raise IRError(f"{op!r} is not an op of graph {self.name!r}")
 
-    @contextlib.contextmanager
-    def _moved_cursor(self, op, after):
-        if not isinstance(op, Op) or op._graph is not self:
-            raise IRError(f"insertion point {op!r} is not an op of graph {self.name!r}")
-        saved = self._cursor
-        self._cursor = _InsertionPoint(op, after)
-        try:
-            yield
-        finally:
-            self._cursor = saved
 
     def _check_removable(self, op):
         if not isinstance(op, Op) or op._graph is not self:
@@ -430,6 +424,32 @@ class Graph:
         if old_op._control_users:
             user = next(iter(old_op._control_users))
             raise IRError(f"cannot replace op {old_op.name!r}: op {user.name!r} lists it as a control input")
+
+
+class _MovedCursor:
+    """What `Graph.inserting_before` and `Graph.inserting_after` return: a
+    context manager that moves the graph's cursor on entry and restores the
+    enclosing one on exit. A small class rather than a generator-based
+    context manager: lowering enters one for every routine op it creates."""
+
+    __slots__ = ("_graph", "_anchor", "_after", "_saved")
+
+    def __init__(self, graph, anchor, after):
+        self._graph = graph
+        self._anchor = anchor
+        self._after = after
+        self._saved = None
+
+    def __enter__(self):
+        graph, op = self._graph, self._anchor
+        if not isinstance(op, Op) or op._graph is not graph:
+            raise IRError(f"insertion point {op!r} is not an op of graph {graph.name!r}")
+        self._saved = graph._cursor
+        graph._cursor = _InsertionPoint(op, self._after)
+
+    def __exit__(self, *exc_info):
+        self._graph._cursor = self._saved
+        return False
 
 
 class _InsertionPoint:
