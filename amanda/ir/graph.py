@@ -362,7 +362,9 @@ class Graph:
         if output_names is not None and len(output_names) != num_outputs:
             raise IRError(f"{len(output_names)} output names given for {num_outputs} outputs")
         for position, tensor in enumerate(inputs):
-            _check_tensor_of(self, tensor, f"input {position} of new {op_type!r} op")
+            # (the role is formatted only for a tensor that fails the check)
+            if type(tensor) is not Tensor or tensor._graph is not self:
+                _check_tensor_of(self, tensor, f"input {position} of new {op_type!r} op")
         for op in control_inputs:
             if not isinstance(op, Op) or op._graph is not self:
                 raise IRError(f"control input {op!r} of new {op_type!r} op is not an op of this graph")

@@ -25,7 +25,7 @@ import pytest
 import amanda
 from amanda import controls
 from amanda.runtime.onnx import hosted_observation
-from amanda.runtime.onnx.wire import initializer_views, write_model
+from amanda.runtime.onnx.wire import _initializer_spans, initializer_views, write_model
 from tests.onnx.conftest import TensorProto, helper, numpy_helper, onnx, ort, same  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +83,7 @@ def test_write_model_parses_to_the_same_model_and_views_walk_it():
     model.doc_string = "typed"
     model.metadata_props.add(key="k", value="v")
     file = io.BytesIO()
-    write_model(model, file)
+    spans = write_model(model, file)
     data = file.getvalue()
     assert onnx.ModelProto.FromString(data) == model
     assert len(data) == len(model.SerializeToString())
@@ -91,6 +91,10 @@ def test_write_model_parses_to_the_same_model_and_views_walk_it():
     views = initializer_views(data, list(expected))
     assert set(views) == set(expected)
     assert all(same(views[n], expected[n]) for n in views)
+    # the spans write_model reports are where the walk finds the initializers
+    assert spans == _initializer_spans(data) and len(spans) == len(model.graph.initializer)
+    given = initializer_views(data, list(expected), spans)
+    assert set(given) == set(expected) and all(same(given[n], expected[n]) for n in given)
 
 
 def test_write_model_reads_external_data_from_its_folder(tmp_path):
@@ -102,10 +106,14 @@ def test_write_model_reads_external_data_from_its_folder(tmp_path):
     lean = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
     assert lean.graph.initializer[0].data_location == TensorProto.EXTERNAL
     file = io.BytesIO()
-    write_model(lean, file, str(tmp_path))
-    written = onnx.ModelProto.FromString(file.getvalue())
+    file.write(b"offset")   # spans count from where the model starts
+    spans = write_model(lean, file, str(tmp_path))
+    data = file.getvalue()[len(b"offset"):]
+    written = onnx.ModelProto.FromString(data)
     assert same(numpy_helper.to_array(written.graph.initializer[0]), weight)
-    assert same(initializer_views(file.getvalue(), ["W"])["W"], weight)
+    assert same(initializer_views(data, ["W"])["W"], weight)
+    assert spans == _initializer_spans(data)
+    assert same(initializer_views(data, ["W"], spans)["W"], weight)
     file = io.BytesIO()
     write_model(lean, file)   # no folder: left external
     assert onnx.ModelProto.FromString(file.getvalue()) == lean

@@ -81,8 +81,8 @@ def _plan(branches):
     it adds, and for each fetched routine its site and tensors."""
     model = branches.model()
     nodes = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
-    fetched = [(callback.where, callback.action.kwargs, names)
-               for callback, names in branches.fetched]
+    fetched = [(where, action.kwargs, count, hosted, names)
+               for action, where, count, hosted, names in branches.fetched]
     return nodes, [o.name for o in model.graph.output], fetched
 
 

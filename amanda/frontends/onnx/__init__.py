@@ -107,8 +107,9 @@ def lift(model, namespace=None, nodes=None):
                            f"('' / 'ai.onnx'; it imports {domains or 'no opset at all'}): "
                            "add one to its opset_import")
     namespace = default_namespace(model) if namespace is None else namespace
-    types = _value_types(model)
-    lifter = _Lifter(namespace, types, nodes)
+    graphs = _graphs(model.graph)
+    types = _value_types(model, graphs)
+    lifter = _Lifter(namespace, types, nodes, flat=len(graphs) == 1)
     graph = lifter.graph(model.graph, outer=None)
     if nodes is not None:
         for op in _all_ops(graph):
@@ -157,14 +158,13 @@ def _model_attrs(model):
     }
 
 
-def _value_types(model):
+def _value_types(model, graphs):
     """ONNX name -> TypeProto for every typed value, running shape inference
-    when a node output has no declared type."""
+    when a node output has no declared type. ``graphs``: `_graphs` of the
+    model's graph."""
     onnx = _onnx()
-    declared = _collect_types(model.graph)
-    produced = set()
-    _collect_outputs(model.graph, produced)
-    if not produced <= set(declared):
+    declared = _collect_types(graphs)
+    if not _all_declared(graphs, declared):
         # data propagation computes shapes that are values (Shape -> Concat ->
         # Reshape, as exporters write); if it fails, plain inference may not
         # on a copy without the large weights: inference serializes the model
@@ -172,7 +172,7 @@ def _value_types(model):
         skeleton, weights = weightless_copy(model)
         inferred = _inferred(onnx, skeleton, True) or _inferred(onnx, skeleton, False)
         if inferred is not None:
-            for name, value in _collect_types(inferred.graph).items():
+            for name, value in _collect_types(_graphs(inferred.graph)).items():
                 if name not in declared and name not in weights:
                     # a copy: a TypeProto of ``inferred`` would keep that whole
                     # model (the weights included) alive with the IR
@@ -190,24 +190,36 @@ def _inferred(onnx, model, data_prop):
         return None
 
 
-def _collect_types(graph):
-    types = {}
-    for infos in (graph.input, graph.output, graph.value_info):
-        for info in infos:
-            if info.HasField("type"):
-                types.setdefault(info.name, info.type)
+def _graphs(graph):
+    """``graph`` and the bodies nested in it, a graph before its bodies, the
+    bodies in node order (one walk over the nodes' attributes per graph)."""
+    found = [graph]
     for sub in _node_bodies(graph):
-        for name, value in _collect_types(sub).items():
-            types.setdefault(name, value)
+        found.extend(_graphs(sub))
+    return found
+
+
+def _collect_types(graphs):
+    """Name -> declared TypeProto over ``graphs`` (`_graphs`; the first
+    declaration of a name wins)."""
+    types = {}
+    for graph in graphs:
+        for infos in (graph.input, graph.output, graph.value_info):
+            for info in infos:
+                if info.HasField("type"):
+                    types.setdefault(info.name, info.type)
     return types
 
 
-def _collect_outputs(graph, names):
-    for node in graph.node:
-        names.update(node.output)
-    names.discard("")
-    for sub in _node_bodies(graph):
-        _collect_outputs(sub, names)
+def _all_declared(graphs, declared):
+    """Whether every node output of ``graphs`` has a type in ``declared``
+    (stops at the first that has none: an export without value infos)."""
+    for graph in graphs:
+        for node in graph.node:
+            for name in node.output:
+                if name and name not in declared:
+                    return False
+    return True
 
 
 def _node_bodies(graph):
@@ -216,9 +228,9 @@ def _node_bodies(graph):
     for node in graph.node:
         for attr in node.attribute:
             kind = attr.type
-            if kind == 5:   # GRAPH
+            if kind == _GRAPH:
                 yield attr.g
-            elif kind == 10:   # GRAPHS
+            elif kind == _GRAPHS:
                 yield from attr.graphs
 
 
@@ -230,15 +242,15 @@ def tensor_attrs(type_proto, known=None):
     part, and a model's values share few types."""
     if type_proto is None:
         return {"dtype": None, "shape": None}
-    attrs = {"dtype": None, "shape": None, "onnx_type": ProtoAttr(type_proto)}
     key = None
     if known is not None:
         key = type_proto.SerializeToString()
         found = known.get(key)
         if found is not None:
-            attrs["dtype"] = found[0]
-            attrs["shape"] = None if found[1] is None else list(found[1])
-            return attrs
+            # (values of one type share its ProtoAttr: read-only, equal by content)
+            return {"dtype": found[0], "shape": None if found[1] is None else list(found[1]),
+                    "onnx_type": found[2]}
+    attrs = {"dtype": None, "shape": None, "onnx_type": ProtoAttr(type_proto)}
     if type_proto.HasField("tensor_type"):
         tensor = type_proto.tensor_type
         attrs["dtype"] = dtype_name(tensor.elem_type)
@@ -246,7 +258,8 @@ def tensor_attrs(type_proto, known=None):
             attrs["shape"] = [d.dim_value if d.HasField("dim_value") else None
                               for d in tensor.shape.dim]
     if key is not None:
-        known[key] = (attrs["dtype"], None if attrs["shape"] is None else tuple(attrs["shape"]))
+        known[key] = (attrs["dtype"], None if attrs["shape"] is None else tuple(attrs["shape"]),
+                      attrs["onnx_type"])
     return attrs
 
 
@@ -294,8 +307,9 @@ def free_variables(graph):
 class _Lifter:
     """Lifts a GraphProto (and its subgraphs, recursively) into IR graphs."""
 
-    def __init__(self, namespace, types, nodes):
+    def __init__(self, namespace, types, nodes, flat=False):
         self.namespace = namespace
+        self.flat = flat   # no node of the model holds a body
         self.types = types
         self.nodes = nodes
         self.protos = {}   # IR op -> its NodeProto, at every depth
@@ -404,8 +418,7 @@ class _Lifter:
             needs.append(node_needs)
         return [(i, proto.node[i]) for i in _topological(needs, proto.node)]
 
-    @staticmethod
-    def _in_order(nodes, scope):
+    def _in_order(self, nodes, scope):
         """Whether the file's order is already a valid topological order
         (the usual case, checked in one pass): every node reads only what
         the graph's inputs, initializers, enclosing graphs or earlier nodes
@@ -418,10 +431,12 @@ class _Lifter:
         defined = set(scope.env)
         defined.add("")   # an absent optional input
         count = len(defined)
+        flat = self.flat
         for node in nodes:
-            for attr in node.attribute:
-                if attr.type in (5, 10):   # GRAPH, GRAPHS
-                    return False
+            if not flat:
+                for attr in node.attribute:
+                    if attr.type in _BODY_KINDS:
+                        return False
             if not defined.issuperset(node.input):
                 return False
             outputs = [name for name in node.output if name]
@@ -439,7 +454,7 @@ class _Lifter:
             name, kind = attr.name, attr.type
             attrs[name] = self._attribute(node, index, attr, scope, captures)
             types[name] = _ATTR_TYPE_NAMES[kind]
-            bodies = bodies or kind in (5, 10)   # GRAPH, GRAPHS
+            bodies = bodies or kind in _BODY_KINDS
         node_name = node.name
         meta = {"name": node_name, "domain": node.domain, "attribute_types": types}
         doc, overload = node.doc_string, node.overload
@@ -484,42 +499,20 @@ class _Lifter:
                     _prefix_ops(sub, f"{op.name}/{key}{position}/")
 
     def _attribute(self, node, index, attr, scope, captures):
-        onnx = _onnx()
-        kinds = onnx.AttributeProto
         if attr.ref_attr_name:
             raise BackendError(f"{_node_label(node, index)}: attribute {attr.name!r} refers to "
                                f"{attr.ref_attr_name!r}, which only functions may do")
         kind = attr.type
-        if kind not in _ATTR_TYPE_NAMES or kind == kinds.UNDEFINED:
-            raise BackendError(f"{_node_label(node, index)}: attribute {attr.name!r} has unknown "
-                               f"type {kind}")
-        if kind == kinds.FLOAT:
-            return float(attr.f)
-        if kind == kinds.INT:
-            return int(attr.i)
-        if kind == kinds.STRING:
-            return _text(attr.s)
-        if kind == kinds.TENSOR:
-            return ProtoAttr(attr.t)
-        if kind == kinds.SPARSE_TENSOR:
-            return ProtoAttr(attr.sparse_tensor)
-        if kind == kinds.TYPE_PROTO:
-            return ProtoAttr(attr.tp)
-        if kind == kinds.GRAPH:
+        read = _ATTR_READERS.get(kind)
+        if read is not None:
+            return read(attr)
+        if kind == _GRAPH:
             return self._subgraph(node, index, attr.name, attr.g, scope, captures)
-        if kind == kinds.FLOATS:
-            return [float(v) for v in attr.floats]
-        if kind == kinds.INTS:
-            return [int(v) for v in attr.ints]
-        if kind == kinds.STRINGS:
-            return [_text(v) for v in attr.strings]
-        if kind == kinds.TENSORS:
-            return [ProtoAttr(t) for t in attr.tensors]
-        if kind == kinds.SPARSE_TENSORS:
-            return [ProtoAttr(t) for t in attr.sparse_tensors]
-        if kind == kinds.TYPE_PROTOS:
-            return [ProtoAttr(t) for t in attr.type_protos]
-        return [self._subgraph(node, index, attr.name, g, scope, captures) for g in attr.graphs]
+        if kind == _GRAPHS:
+            return [self._subgraph(node, index, attr.name, g, scope, captures)
+                    for g in attr.graphs]
+        raise BackendError(f"{_node_label(node, index)}: attribute {attr.name!r} has unknown "
+                           f"type {kind}")
 
     def _subgraph(self, node, index, name, proto, scope, captures):
         try:
@@ -616,6 +609,27 @@ def kahn_order(needs):
                 heapq.heappush(ready, user)
     return order
 
+
+#: AttributeProto.AttributeType values of the attributes holding bodies
+_GRAPH, _GRAPHS = 5, 10
+_BODY_KINDS = (_GRAPH, _GRAPHS)
+
+#: AttributeProto.AttributeType value -> the IR value of such an attribute
+#: (bodies aside: `_Lifter._attribute` lifts them)
+_ATTR_READERS = {
+    1: lambda a: float(a.f),                                     # FLOAT
+    2: lambda a: int(a.i),                                       # INT
+    3: lambda a: _text(a.s),                                     # STRING
+    4: lambda a: ProtoAttr(a.t),                                 # TENSOR
+    6: lambda a: [float(v) for v in a.floats],                   # FLOATS
+    7: lambda a: [int(v) for v in a.ints],                       # INTS
+    8: lambda a: [_text(v) for v in a.strings],                  # STRINGS
+    9: lambda a: [ProtoAttr(t) for t in a.tensors],              # TENSORS
+    11: lambda a: ProtoAttr(a.sparse_tensor),                    # SPARSE_TENSOR
+    12: lambda a: [ProtoAttr(t) for t in a.sparse_tensors],      # SPARSE_TENSORS
+    13: lambda a: ProtoAttr(a.tp),                               # TYPE_PROTO
+    14: lambda a: [ProtoAttr(t) for t in a.type_protos],         # TYPE_PROTOS
+}
 
 # AttributeProto.AttributeType value -> name (as in the ONNX enum)
 _ATTR_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "INT", 3: "STRING", 4: "TENSOR", 5: "GRAPH",

@@ -85,7 +85,9 @@ class _SideBranches(_Lowering):
         super().__init__(graph, callbacks=True)
         self.fetch = fetch
         self.eager = eager and not fetch
-        self.fetched = []   # (its `_Callback`, names of its tensors), in program order
+        # (action, where, tensor count, hosted positions, names of those
+        # tensors) per fetched routine, in program order
+        self.fetched = []
         self._declared = set()
         self.copied = set()   # initializers copied back in for routines (see resolve)
         self.plan = None
@@ -239,11 +241,10 @@ class _SideBranches(_Lowering):
             if name is not None:
                 hosted.append(i)
                 names.append(name)
-        # (not registered by key: no node calls it; the plan holds it)
-        callback = _Callback(action, where, len(inputs), hosted, [], False, observe=True)
+        # (no `_Callback`: no node calls it; the plan calls the routine)
         for tensor, source in zip(op.outputs, inputs):
             self._alias(tensor, self.name(source))
-        self.fetched.append((callback, names))
+        self.fetched.append((action, where, len(inputs), hosted, names))
 
     def _declare_output(self, tensor, name):
         """Make ``name`` an output of the top graph (once; not for graph
@@ -410,24 +411,24 @@ class _FetchPlan:
     thread: concurrent runs never share anything but the (immutable) plan.
 
     Args:
-        fetched: ``(_Callback, [tensor name per hosted slot])`` in program order.
+        fetched: ``(action, where, tensor count, hosted positions, [tensor
+            name per hosted position])`` per routine, in program order.
         proto: the top graph of the model the session runs (outputs added).
         outputs: the names of the model's own outputs.
     """
 
-    __slots__ = ("calls", "extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
+    __slots__ = ("extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
                  "_fed_types", "read")
 
     def __init__(self, fetched, proto, outputs):
-        self.calls = list(fetched)
         self.outputs = list(outputs)
         self._own = frozenset(self.outputs)
         self.inputs = {i.name for i in proto.input}
-        wanted = {n for _, names in fetched for n in names}
+        wanted = {n for *_, names in fetched for n in names}
         # filled by `bind` once the model is serialized
         self.constants = dict.fromkeys(i.name for i in proto.initializer if i.name in wanted)
         self.extra = []
-        for name in dict.fromkeys(n for _, names in fetched for n in names):
+        for name in dict.fromkeys(n for *_, names in fetched for n in names):
             if name not in self.inputs and name not in self.constants:
                 self.extra.append(name)
         # graph inputs the routines read (taken from the feed at each run)
@@ -435,7 +436,7 @@ class _FetchPlan:
         self._fed_types = {i.name: _element_type(i) for i in proto.input if i.name in wanted}
         #: the fetched names whose values the routines read
         self.read = frozenset(self.extra) | frozenset(self._fed)
-        self._steps = [_step(callback, names) for callback, names in self.calls]
+        self._steps = [_step(*routine) for routine in fetched]
 
     def bind(self, data, proto, views=None):
         """Read the observed initializers: views over ``data`` (the serialized
@@ -533,21 +534,23 @@ def _drop_unread_initializers(proto, names, start=0):
     return dropped
 
 
-def _step(callback, names):
+def _step(action, where, count, hosted, names):
     """``(func, slots, action, where)``: how `observe_after_run` calls one
-    routine. A routine that receives no tensor and can only return None
-    (`returns_only_none`; a counter's ``inputs=[]``) is called as ``func()``,
-    its arguments bound here once (``None`` for each selected tensor Python
-    cannot take, and its keyword arguments), ``slots`` None; any other gets
-    the views of ``names`` at its hosted positions (None elsewhere)."""
-    action = callback.action
+    routine of ``count`` tensors. A routine that receives no tensor and can
+    only return None (`returns_only_none`; a counter's ``inputs=[]``) is
+    called as ``func()``, its arguments bound here once (``None`` for each
+    selected tensor Python cannot take, and its keyword arguments), ``slots``
+    None; any other gets the views of ``names`` at its ``hosted`` positions
+    (None elsewhere)."""
     if names or not returns_only_none(action.func):
-        slots = [None] * callback.count
-        for position, name in zip(callback.hosted, names):
-            slots[position] = name
-        return _bound(action.func, (), action.kwargs), slots, action, callback.where
-    return _bound(action.func, (None,) * callback.count, action.kwargs), None, action, \
-        callback.where
+        if len(names) == count:   # every tensor reaches Python
+            slots = names
+        else:
+            slots = [None] * count
+            for position, name in zip(hosted, names):
+                slots[position] = name
+        return _bound(action.func, (), action.kwargs), slots, action, where
+    return _bound(action.func, (None,) * count, action.kwargs), None, action, where
 
 
 def _bound(func, args, kwargs):

@@ -29,6 +29,7 @@ from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
 from amanda.runtime.collector import paused
 from amanda.runtime.driver import Driver
+from amanda.runtime.onnx import scratch
 from amanda.runtime.onnx.bodies import _bodies_host_routines
 from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_session,
                                       extensions, owned_by,
@@ -292,10 +293,9 @@ def _optimised_by_onnxruntime(data, options, own, providers, provider_options, k
         # options: a config entry cannot be taken back out of them
         options = _fresh_options(options.graph_optimization_level, register=register)
         options.add_session_config_entry("session.disable_prepacking", "1")
-    folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
+    folder = scratch.Files()
     try:
-        path = _optimise_into(folder.name, data, options, own, providers, provider_options,
-                              kwargs)
+        path = _optimise_into(folder, data, options, own, providers, provider_options, kwargs)
         return folder, _rename_inlined(onnx.load(path, load_external_data=False))
     except BaseException:
         folder.cleanup()
@@ -344,14 +344,17 @@ def _rename_inlined(model):
 
 
 def _optimise_into(folder, data, options, own, providers, provider_options, kwargs):
-    """The path in ``folder`` of the model onnxruntime optimised. With
-    amanda's own options (``own``) its weights are external data in
-    `OPTIMISED_WEIGHTS` beside it, read a weight at a time by `write_model`
-    (loading them with the model would hold them twice for a while)."""
-    path = os.path.join(folder, "optimised.onnx")
+    """The path of the model onnxruntime optimised, one of ``folder``'s files
+    (`scratch.Files`). With amanda's own options (``own``) its weights are
+    external data in another of them beside it, read a weight at a time by
+    `write_model` (loading them with the model would hold them twice for a
+    while)."""
+    path = folder.path(".onnx")
     if own:
+        weights = folder.path(OPTIMISED_WEIGHTS)
         options.add_session_config_entry(
-            "session.optimized_model_external_initializers_file_name", OPTIMISED_WEIGHTS)
+            "session.optimized_model_external_initializers_file_name",
+            os.path.basename(weights))
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes",
             str(SHARED_BYTES))
@@ -369,8 +372,8 @@ def _optimise_into(folder, data, options, own, providers, provider_options, kwar
     return path
 
 
-#: the optimised model's weights file (amanda's own options), beside it
-OPTIMISED_WEIGHTS = "optimised.weights"
+#: the suffix of the optimised model's weights file (amanda's own options), beside it
+OPTIMISED_WEIGHTS = ".weights"
 
 
 def _ahead(sess_options, providers, provider_options, kwargs):
@@ -545,27 +548,28 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             given.free_now()
             needed = set(bound[0].constants) if bound[0] is not None else set()
             needed.update(n for _, slots in bound[1] for n in slots.values())
+            needed.difference_update(bound[2])   # (dropped from the model: values kept)
             names = [i.name for i in result.graph.initializer]
             # copies of the observed weights no view can be made of
             fallback = onnx.GraphProto()
             fallback.initializer.extend(
                 i for i in result.graph.initializer if i.name in needed
-                and not viewable(i, folder.name) and i.data_location != onnx.TensorProto.EXTERNAL)
+                and not viewable(i, folder) and i.data_location != onnx.TensorProto.EXTERNAL)
             large = {}
             for initializer in result.graph.initializer:
-                if viewable(initializer, folder.name) and raw_size(initializer) >= SHARED_BYTES:
+                if viewable(initializer, folder) and raw_size(initializer) >= SHARED_BYTES:
                     large[initializer.name] = raw_size(initializer)
             with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
                 # written a weight at a time (those onnxruntime left in the
                 # folder read from there) and read back once the model is
                 # freed: one serialized copy at a time, not three
-                write_model(result, file, folder.name)
+                spans = write_model(result, file, folder)
                 folder.cleanup()
                 lean = _lean(result, large)
                 del result
                 file.seek(0)
                 data = file.read()
-            views = initializer_views(data, names)
+            views = initializer_views(data, names, spans)
             if needed - set(views) - {i.name for i in fallback.initializer}:
                 # malformed, or external data of a type no view is made of: copy from it
                 fallback = onnx.ModelProto.FromString(data).graph
@@ -605,8 +609,9 @@ def _plain_options(sess_options):
     return _PLAIN_DEFAULT[0]
 
 
-#: the file a lean model's shared initializers name (see `_lean`)
-SHARED_FILE = "amanda-shared.bin"
+#: the file a lean model's shared initializers name (see `_lean`): an
+#: empty sparse file in the scratch folder (`scratch.stub`)
+SHARED_FILE = scratch.STUB
 _EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
@@ -614,8 +619,9 @@ def _lean(model, large):
     """``(bytes, extent)``: ``model`` (changed in place) with the ``large``
     initializers (name -> bytes) as external data in `SHARED_FILE`, at
     offsets below ``extent``. A session given the shared arrays for them
-    never reads that file (an empty sparse file of ``extent`` bytes, made per
-    session): onnxruntime then parses no weight beside the kept ones."""
+    never reads that file (an empty sparse file of at least ``extent``
+    bytes in the scratch folder, `scratch.stub`): onnxruntime then parses no
+    weight beside the kept ones."""
     offset = 0
     for tensor in model.graph.initializer:
         size = large.get(tensor.name)
@@ -784,10 +790,8 @@ def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
             options = fresh
             self._amanda_shared = values   # onnxruntime reads the arrays: keep them
             if lean is not None:
-                folder = tempfile.TemporaryDirectory(prefix="amanda-onnx-")
-                with open(os.path.join(folder.name, SHARED_FILE), "wb") as stub:
-                    stub.truncate(lean[1])
-                options.add_session_config_entry(_EXTERNAL_FOLDER, folder.name)
+                folder = scratch.stub(lean[1])
+                options.add_session_config_entry(_EXTERNAL_FOLDER, folder)
         # the model is optimised already: optimising again could fuse the
         # side branches into it
         with _OPTIONS_LOCK:
@@ -809,8 +813,6 @@ def _patched_init_owned(self, sessions, path_or_bytes, sess_options, providers,
                     _original_init(self, data, options, providers, provider_options, **kwargs)
             finally:
                 options.graph_optimization_level, options.execution_order = level, order
-                if folder is not None:
-                    folder.cleanup()
     else:
         if hit.inline and options.graph_optimization_level != \
                 ort.GraphOptimizationLevel.ORT_DISABLE_ALL:

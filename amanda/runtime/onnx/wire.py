@@ -117,24 +117,23 @@ def _tensor(data, start, end):
     return name, array.reshape(dims)
 
 
-def initializer_views(data, names):
+def initializer_views(data, names, spans=None):
     """``{name: read-only array}`` for the top-level initializers among
     ``names`` that the serialized ``ModelProto`` ``data`` (``bytes``) stores
     as plain raw data; the arrays share memory with ``data``. Others (and
-    everything, if the bytes cannot be walked) are missing from the result."""
+    everything, if the bytes cannot be walked) are missing from the result.
+    ``spans``: where each top-level initializer's message lies in ``data``
+    (what `write_model` returns for the bytes it wrote), so that the model's
+    other fields (its nodes) are not walked."""
     wanted = set(names)
     found = {}
     if not wanted:
         return found
     try:
-        graphs = [v for f, w, v in _fields(data, 0, len(data)) if f == _MODEL_GRAPH and w == 2]
-        if len(graphs) != 1:   # several graph fields would be merged: do not guess
-            return found
-        start, end = graphs[0]
-        for field, wire, value in _fields(data, start, end):
-            if field != _GRAPH_INITIALIZER or wire != 2:
-                continue
-            tensor = _tensor(data, *value)
+        if spans is None:
+            spans = _initializer_spans(data)
+        for span in spans:
+            tensor = _tensor(data, *span)
             if tensor is not None and tensor[0] in wanted:
                 if tensor[0] in found:   # a repeated name: leave it to the caller
                     del found[tensor[0]]
@@ -146,6 +145,16 @@ def initializer_views(data, names):
     for array in found.values():
         array.flags.writeable = False
     return found
+
+
+def _initializer_spans(data):
+    """(start, end) of each top-level initializer's message in ``data``."""
+    graphs = [v for f, w, v in _fields(data, 0, len(data)) if f == _MODEL_GRAPH and w == 2]
+    if len(graphs) != 1:   # several graph fields would be merged: do not guess
+        return []
+    start, end = graphs[0]
+    return [value for field, wire, value in _fields(data, start, end)
+            if field == _GRAPH_INITIALIZER and wire == 2]
 
 
 def viewable(tensor, folder=None):
@@ -161,12 +170,18 @@ def viewable(tensor, folder=None):
 
 def _external(tensor, folder):
     """(path, offset, length) of an external tensor's data in ``folder`` (a
-    file directly in it), else None."""
+    file directly in it), else None. ``folder``: a path, or an object with
+    the path as ``name`` and ``owns(file name)`` saying which of its files
+    may be read (`amanda.runtime.onnx.scratch.Files`)."""
     if folder is None:
         return None
+    owns = getattr(folder, "owns", None)
+    folder = getattr(folder, "name", folder)
     entries = {entry.key: entry.value for entry in tensor.external_data}
     location = entries.get("location", "")
     if not location or os.path.basename(location) != location or location in (".", ".."):
+        return None
+    if owns is not None and not owns(location):
         return None
     try:
         offset, length = int(entries.get("offset", 0)), int(entries["length"])
@@ -218,15 +233,23 @@ def write_model(model, file, folder=None):
     would (fields in another order, which parses to an equal message), one
     top-level initializer at a time: no serialized copy of the whole model
     is made beside it (``SerializeToString`` makes two, protobuf's buffer and
-    the ``bytes``). `initializer_views` walks the result. Top-level
-    initializers whose data is external in a file directly in ``folder`` are
-    written with their data as raw data (read a piece at a time)."""
+    the ``bytes``). Top-level initializers whose data is external in a file
+    directly in ``folder`` are written with their data as raw data (read a
+    piece at a time).
+
+    Returns:
+        ``(start, end)`` of each top-level initializer's message, counted
+        from where the model starts in ``file``: `initializer_views`' spans.
+    """
     from onnx import GraphProto
     head = type(model)()
     _copy_fields(model, head, "graph")
-    file.write(head.SerializeToString())
+    head = head.SerializeToString()
+    file.write(head)
+    at = len(head)   # where the next byte written lies
+    spans = []
     if not model.HasField("graph"):
-        return
+        return spans
     graph = model.graph
     rest = GraphProto()
     _copy_fields(graph, rest, "initializer")
@@ -245,10 +268,16 @@ def write_model(model, file, folder=None):
         pieces.append((len(head) + where[2], head, where))
     tag = bytes([_GRAPH_INITIALIZER << 3 | 2])
     length = len(rest) + sum(len(tag) + len(_varint_bytes(size)) + size for size, _, _ in pieces)
-    file.write(bytes([_MODEL_GRAPH << 3 | 2]) + _varint_bytes(length))
+    opening = bytes([_MODEL_GRAPH << 3 | 2]) + _varint_bytes(length)
+    file.write(opening)
     file.write(rest)
+    at += len(opening) + len(rest)
     for size, piece, where in pieces:
-        file.write(tag + _varint_bytes(size))
+        prefix = tag + _varint_bytes(size)
+        file.write(prefix)
+        at += len(prefix)
+        spans.append((at, at + size))
+        at += size
         if where is None:
             file.write(piece.SerializeToString())
             continue
@@ -262,3 +291,4 @@ def write_model(model, file, folder=None):
                     raise ValueError(f"{path}: external data ends early")
                 file.write(chunk)
                 left -= len(chunk)
+    return spans
