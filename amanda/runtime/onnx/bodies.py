@@ -8,6 +8,8 @@ None)``.
 
 from __future__ import annotations
 
+import onnx
+
 from amanda.ir import Graph
 from amanda.passes.instrumentation import run_instrumentation_pass
 from amanda.passes.lower_actions import ROUTINE, lower_actions
@@ -113,13 +115,21 @@ def _node_needs(proto):
     return nodes, needs
 
 
-def _collect_proto_names(proto, names):
-    """Every tensor and node name of a GraphProto and its bodies."""
-    names.update(i.name for i in proto.input)
-    names.update(i.name for i in proto.initializer)
+def _collect_proto_names(proto, names, values=None):
+    """Every tensor and node name of a GraphProto and its bodies into
+    ``names``; ``values``, if given, receives the graph's own value names
+    (inputs, initializers, node outputs; not its bodies')."""
+    own = set() if values is None else values
+    own.update(i.name for i in proto.input)
+    own.update(i.name for i in proto.initializer)
     for node in proto.node:
         names.add(node.name)
-        names.update(o for o in node.output if o)
+        own.update(o for o in node.output if o)
         for attribute in node.attribute:
-            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                _collect_proto_names(sub, names)
+            kind = attribute.type
+            if kind == onnx.AttributeProto.GRAPH:
+                _collect_proto_names(attribute.g, names)
+            elif kind == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    _collect_proto_names(sub, names)
+    names |= own

@@ -34,7 +34,10 @@ from amanda.runtime.onnx.lowering import _Lowering
 from amanda.runtime.onnx.wire import initializer_views
 
 
-_UNSEEN = object()
+
+
+#: AttributeProto types of the attributes holding bodies (GRAPH, GRAPHS)
+_BODY_KINDS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 class _NotSide(Exception):
@@ -81,7 +84,7 @@ class _SideBranches(_Lowering):
     #: model still has them
     NAMES_FROM_IR = False
 
-    def __init__(self, graph, model, optimized, fetch=False, eager=False):
+    def __init__(self, graph, model, optimized=None, fetch=False, eager=False):
         super().__init__(graph, callbacks=True)
         self.fetch = fetch
         self.eager = eager and not fetch
@@ -97,8 +100,51 @@ class _SideBranches(_Lowering):
         self._dropped = {}
         self.into_bodies = False   # routines were attached inside bodies
         self._fetched_names = {}   # tensor -> its fetched name (None: not hosted)
-        self.result = optimized   # owned from here on: the caller does not keep it
         self.original = model
+        self.scope = None
+        # what `prepare` found: the user's top graph's producers and weights,
+        # and per fetched top-level routine (action, where, hosted positions,
+        # their tensors)
+        self._users = None
+        self._prepared = {}
+        self.result = None
+        if optimized is not None:
+            self.take(optimized)
+
+    def prepare(self):
+        """The part of the work that needs only the user's model and the
+        plan, done while onnxruntime optimises the model (`_Ahead`): the
+        user's graph's producers and weights, and for each top-level routine
+        fetched after the run its site and which of its tensors reach
+        Python. Optional: `model` does what was not prepared."""
+        self._users = _producers_and_weights(self.original.graph)
+        if not self.fetch:
+            return
+        saved = self._enter_graph(self.top)
+        try:
+            prepared = {}
+            for op in self.top:
+                if op.type != ROUTINE:
+                    continue
+                action = op.attrs["action"]
+                if self._portable_here(action.func):
+                    return   # (traced into nodes of the result: `model` writes it)
+                hosted, tensors = [], []
+                for i, tensor in enumerate(op.inputs):
+                    if not tensor.attrs.get("absent") and \
+                            self.tensor_type(tensor)[0] in _HOSTED_DTYPES:
+                        hosted.append(i)
+                        tensors.append(tensor)
+                prepared[op] = (action, self._where(op, action), hosted, tensors)
+            self._prepared = prepared
+        finally:
+            self._leave_graph(saved)
+
+    def take(self, optimized):
+        """Take onnxruntime's optimised model (owned from here on: the caller
+        does not keep it), which `model` attaches the routines to."""
+        self.result = optimized
+        model = self.original
         proto = self.result.graph
         self._inputs = {i.name for i in proto.input}
         self._outputs = {o.name for o in proto.output}
@@ -113,8 +159,9 @@ class _SideBranches(_Lowering):
             if declared.name not in present and declared.name in weights:
                 proto.initializer.add().CopyFrom(weights[declared.name])
                 self._weights_here.add(declared.name)
-        _collect_proto_names(proto, self.used)
-        self.scope = None
+        self._available = set()   # the top graph's values (for its `_Available`)
+        _collect_proto_names(proto, self.used, self._available)
+        self._graph_outputs = proto.output
 
     def model(self):
         outputs = [o.name for o in self.result.graph.output]
@@ -187,7 +234,9 @@ class _SideBranches(_Lowering):
         version; ``original`` is the user's)."""
         saved = self._enter_graph(ir_graph), self.scope
         self.graph_proto = proto
-        self.scope = _Available(proto, original, self.scope)
+        top = ir_graph is self.top
+        self.scope = _Available(proto, original, self.scope, self._users if top else None,
+                                self._available if top else None)
         try:
             for op in ir_graph:
                 if op.type == ROUTINE:
@@ -216,6 +265,12 @@ class _SideBranches(_Lowering):
             raise _NotSide(op.name)
         self._attach(body, theirs, mine)
 
+    def _routine(self, op):
+        prepared = self._prepared.get(op) if not self.nested else None
+        if prepared is None:
+            return super()._routine(op)
+        self._fetch(op, *prepared)
+
     def _callback(self, op, action, where):
         """In fetch mode a top-level routine becomes an entry of the plan:
         its tensors are fetched as extra outputs of the run and the routine
@@ -224,24 +279,28 @@ class _SideBranches(_Lowering):
             return super()._callback(op, action, where)
         if not self.fetch:
             return self._hosted_callback(op, action, where)
-        inputs = op.inputs
-        hosted, names = [], []
-        fetched = self._fetched_names
-        for i, tensor in enumerate(inputs):
-            # a tensor is mostly observed twice (after its producer, before
-            # its reader): typed, named and declared once
-            name = fetched.get(tensor, _UNSEEN)
-            if name is _UNSEEN:
-                name = None
-                if not tensor.attrs.get("absent") and \
-                        self.tensor_type(tensor)[0] in _HOSTED_DTYPES:
-                    name = self.name(tensor)
-                    self._declare_output(tensor, name)
-                fetched[tensor] = name
-            if name is not None:
+        hosted, tensors = [], []
+        for i, tensor in enumerate(op.inputs):
+            if not tensor.attrs.get("absent") and self.tensor_type(tensor)[0] in _HOSTED_DTYPES:
                 hosted.append(i)
-                names.append(name)
+                tensors.append(tensor)
+        self._fetch(op, action, where, hosted, tensors)
+
+    def _fetch(self, op, action, where, hosted, tensors):
+        """The plan's entry for a fetched routine; ``tensors`` (at positions
+        ``hosted`` of its inputs) reach Python."""
+        names = []
+        fetched = self._fetched_names
+        for tensor in tensors:
+            # a tensor is mostly observed twice (after its producer, before
+            # its reader): named and declared once
+            name = fetched.get(tensor)
+            if name is None:
+                name = fetched[tensor] = self.name(tensor)
+                self._declare_output(tensor, name)
+            names.append(name)
         # (no `_Callback`: no node calls it; the plan calls the routine)
+        inputs = op.inputs
         for tensor, source in zip(op.outputs, inputs):
             self._alias(tensor, self.name(source))
         self.fetched.append((action, where, len(inputs), hosted, names))
@@ -256,7 +315,7 @@ class _SideBranches(_Lowering):
         if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
         # made in place: appending a ValueInfoProto would copy it once more
-        info = self.result.graph.output.add(name=name)
+        info = self._graph_outputs.add(name=name)
         onnx_type = self.onnx_type(tensor)
         if onnx_type is not None:
             info.type.CopyFrom(onnx_type)
@@ -296,11 +355,13 @@ class _SideBranches(_Lowering):
             if scope.outer is not None:   # a value of an enclosing graph
                 return self.resolve(name, scope.outer)
             raise _NotSide(name)
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-               for a in node.attribute):
-            raise _NotSide(name)
+        for attribute in node.attribute:
+            if attribute.type in _BODY_KINDS:
+                raise _NotSide(name)
         inputs = [self.resolve(i, scope) if i else "" for i in node.input]
-        copy = onnx.NodeProto()
+        # made in place (appending a copy would copy it once more), after
+        # the nodes it reads
+        copy = scope.proto.node.add()
         copy.CopyFrom(node)
         copy.name = self.fresh(f"{node.name or node.op_type}/amanda.recomputed")
         del copy.input[:]
@@ -312,7 +373,6 @@ class _SideBranches(_Lowering):
             outputs.append(scope.recomputed.get(output, ""))
         del copy.output[:]
         copy.output.extend(outputs)
-        scope.proto.node.append(copy)
         return scope.recomputed[name]
 
 
@@ -379,17 +439,25 @@ def _views_of(data, names, views):
     return {n: views[n] for n in names if n in views}
 
 
-class _Available:
-    """Names of one graph of the optimised model (and the user's version of it)."""
+def _producers_and_weights(original):
+    """(name -> producing NodeProto, name -> initializer) of a user's graph."""
+    return ({o: n for n in original.node for o in n.output if o},
+            {i.name: i for i in original.initializer})
 
-    def __init__(self, proto, original, outer):
+
+class _Available:
+    """Names of one graph of the optimised model (and the user's version of
+    it; ``users``: its `_producers_and_weights` if made already)."""
+
+    def __init__(self, proto, original, outer, users=None, available=None):
         self.proto = proto
         self.outer = outer
-        self.available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
-        for node in proto.node:
-            self.available.update(o for o in node.output if o)
-        self.producers = {o: n for n in original.node for o in n.output if o}
-        self.weights = {i.name: i for i in original.initializer}
+        if available is None:
+            available = {i.name for i in proto.input} | {i.name for i in proto.initializer}
+            for node in proto.node:
+                available.update(o for o in node.output if o)
+        self.available = available
+        self.producers, self.weights = users or _producers_and_weights(original)
         self.recomputed = {}
 
     def visible(self, name):

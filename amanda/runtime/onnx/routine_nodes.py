@@ -65,11 +65,15 @@ class RoutineNodes:
             known = self.portability[key] = (plain, _is_portable(func))
         return known[1]
 
+    def _where(self, op, action):
+        """(op type, op name, namespace) of the op a routine op instruments."""
+        target = self.ops_by_name.get(op.attrs["target"])
+        return (target.type if target is not None else None, op.attrs["target"],
+                self.top.namespace)
+
     def _routine(self, op):
         action = op.attrs["action"]
-        target = self.ops_by_name.get(op.attrs["target"])
-        where = (target.type if target is not None else None, op.attrs["target"],
-                 self.top.namespace)
+        where = self._where(op, action)
         if self._portable_here(action.func):
             self.side_only = False
             try:

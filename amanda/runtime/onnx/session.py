@@ -519,6 +519,10 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
     found = hit.optimised.get(key)
     if found is None:
         graph, model = hit.side_graph(given, session)
+        branches = _SideBranches(graph, model, fetch=fetch, eager=not fetch and not in_bodies)
+        del graph, model   # the branches hold them now
+        if given.ahead is not None:
+            branches.prepare()   # while onnxruntime optimises the model
         ahead = given.ahead.result() if given.ahead is not None else None
         if ahead is not None and ahead[0] == key[:3]:
             folder, optimised = ahead[1:]
@@ -532,9 +536,8 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 register=True)
         given.ahead = None
         try:
-            branches = _SideBranches(graph, model, optimised, fetch=fetch,
-                                     eager=not fetch and not in_bodies)
-            del optimised, graph, model   # the branches own it now
+            branches.take(optimised)
+            del optimised   # the branches own it now
             result = branches.model()
             hosts = _needs_library(result)
             bound = branches.plan, branches.weights, branches._dropped
