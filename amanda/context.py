@@ -57,6 +57,19 @@ class Action:
 
 _NOT_AVAILABLE = object()
 
+
+class Deferred:
+    """Values a backend makes only when a routine asks for them: given to
+    `OpContext._set_values`, ``make()`` is called on the first
+    ``get_inputs()`` (& co.) of that point and its result kept. A backend
+    whose values cost something to make (ONNX builds a ``ValueInfoProto``
+    per tensor) spends nothing for tools that never read them."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
 # Names accepted by OpContext._set_values -> the slot each one fills.
 _VALUE_SLOTS = {"inputs": "_inputs", "outputs": "_outputs",
                 "grad_outputs": "_grad_outputs", "grad_inputs": "_grad_inputs"}
@@ -182,7 +195,8 @@ class OpContext(dict):
         Args:
             **values: any of ``inputs``, ``outputs``, ``grad_outputs`` and
                 ``grad_inputs``; None hides values the routines may no longer
-                use (the context outlives the point it was made for).
+                use (the context outlives the point it was made for); a
+                `Deferred` makes them on first use.
 
         Raises:
             TypeError: an unknown name.
@@ -224,6 +238,9 @@ class OpContext(dict):
 
     def _available(self, slot, what):
         value = getattr(self, slot)
+        if type(value) is Deferred:
+            value = value.make()
+            setattr(self, slot, value)
         if value is _NOT_AVAILABLE:
             hint = ("register the routine with require_outputs=True"
                     if what in ("outputs", "grad_inputs") else

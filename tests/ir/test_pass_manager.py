@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import amanda
-from amanda.context import OpContext
+from amanda.context import Deferred, OpContext
 from amanda.errors import AmandaError, ToolError
 from amanda.ir import Graph
 from amanda.passes import PassError, PassManager, PassResult
@@ -214,6 +214,26 @@ def test_context_setters():
     graph = chain()
     context._set_ir(graph.ops[0], graph)
     assert context.get_ir_op() is graph.ops[0] and context.get_graph() is graph
+
+
+def test_deferred_values_are_made_on_first_use_once():
+    """A backend may hand a context `Deferred` values (ONNX does, for its
+    ValueInfoProto symbols): made when a routine first asks, then kept; a
+    tool that never asks never makes them."""
+    made = []
+
+    def make():
+        made.append(1)
+        return ["x", "w"]
+
+    context = OpContext("test/1/graph", None, "id", "MatMul")
+    context._set_values(inputs=Deferred(make), outputs=Deferred(lambda: ["y"]))
+    assert made == []
+    assert context.get_inputs() == ["x", "w"] and context.get_inputs() == ["x", "w"]
+    assert made == [1] and context.get_outputs() == ["y"]
+    context._set_values(inputs=Deferred(make))
+    context._forget_values()
+    assert context.get_inputs() is None and made == [1]
 
 
 @pytest.mark.parametrize("slots", [("inputs", "outputs"), ("_inputs", "_outputs")])

@@ -123,19 +123,23 @@ class _SideBranches(_Lowering):
         saved = self._enter_graph(self.top)
         try:
             prepared = {}
+            target = where = None
             for op in self.top:
                 if op.type != ROUTINE:
                     continue
-                action = op.attrs["action"]
+                attrs = op.attrs
+                action = attrs["action"]
                 if self._portable_here(action.func):
                     return   # (traced into nodes of the result: `model` writes it)
+                if attrs["target"] != target:   # (an op's routines come together)
+                    target, where = attrs["target"], self._where(op, action)
                 hosted, tensors = [], []
                 for i, tensor in enumerate(op.inputs):
                     if not tensor.attrs.get("absent") and \
                             self.tensor_type(tensor)[0] in _HOSTED_DTYPES:
                         hosted.append(i)
                         tensors.append(tensor)
-                prepared[op] = (action, self._where(op, action), hosted, tensors)
+                prepared[op] = (action, where, hosted, tensors)
             self._prepared = prepared
         finally:
             self._leave_graph(saved)
@@ -586,16 +590,27 @@ def _drop_unread_initializers(proto, names, start=0):
     read = set()
 
     def collect(graph, start=0):
-        for node in graph.node[start:]:
+        nodes = graph.node
+        for index in range(start, len(nodes)):
+            node = nodes[index]
             read.update(node.input)
             for attribute in node.attribute:
-                for sub in ([attribute.g] if attribute.HasField("g") else []) + \
-                        list(attribute.graphs):
-                    collect(sub)
+                kind = attribute.type
+                if kind == onnx.AttributeProto.GRAPH:
+                    collect(attribute.g)
+                elif kind == onnx.AttributeProto.GRAPHS:
+                    for sub in attribute.graphs:
+                        collect(sub)
     collect(proto, start)
-    keep = [i for i in proto.initializer if i.name not in names or i.name in read]
-    dropped = {i.name: numpy_helper.to_array(i) for i in proto.initializer
-               if i.name in names and i.name not in read}
+    unread = set(names) - read
+    if not unread:
+        return {}
+    keep, dropped = [], {}
+    for initializer in proto.initializer:
+        if initializer.name in unread:
+            dropped[initializer.name] = numpy_helper.to_array(initializer)
+        else:
+            keep.append(initializer)
     if dropped:
         del proto.initializer[:]
         proto.initializer.extend(keep)
@@ -690,11 +705,21 @@ def _observed_bytes(graph):
     """Bytes of the computed tensors the top-level routines of ``graph`` read,
     each counted once; unknown dimensions count as 1, tensors of unknown type
     (not handed to routines) as 0."""
+    return _observed(graph)[1]
+
+
+def _observed(graph):
+    """(a top-level routine of ``graph`` was recorded inside
+    `hosted_observation`, `_observed_bytes`), in one walk: see
+    `amanda.runtime.onnx.session._Instrumented`."""
     seen = set()
     total = 0
+    timed = False
     for op in graph:
         if op.type != ROUTINE:
             continue
+        # a timer (`Action.in_run`): the session then hosts its routines
+        timed = timed or bool(getattr(op.attrs.get("action"), "in_run", False))
         for tensor in op.inputs:
             while tensor.producer is not None and tensor.producer.type == ROUTINE:
                 tensor = tensor.producer.inputs[tensor.index]   # observers pass tensors on
@@ -710,6 +735,6 @@ def _observed_bytes(graph):
             for dim in attrs.get("shape") or ():
                 count *= dim if isinstance(dim, int) and dim > 0 else 1
             total += count * np.dtype(dtype).itemsize
-    return total
+    return timed, total
 
 

@@ -38,7 +38,7 @@ from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
 from amanda.runtime.onnx.sites import SitedGraph, lowerable
 from amanda.runtime.observation import choosing, current_choice, fetch_budget
-from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed_bytes, _SideBranches,
+from amanda.runtime.onnx.observe import (_fetch_for, _NotSide, _observed, _SideBranches,
                                          bind_weights)
 from amanda.runtime.onnx.wire import initializer_views, raw_size, viewable, write_model
 
@@ -179,7 +179,7 @@ class _Instrumented:
             graph = side[0]
             # (a plan read at its sites has no routine in a body, by its rule)
             in_bodies = not isinstance(graph, SitedGraph) and _bodies_host_routines(graph)
-            self.observed = (in_bodies, _timed(graph), _observed_bytes(graph))
+            self.observed = (in_bodies,) + _observed(graph)
         self.optimised = {}
 
     def side_graph(self, given, session):
@@ -455,12 +455,14 @@ class _SwitchInterval:
     back several times on the way (to return to Python among others); each
     time the thread waits for the main thread to give it up, which a busy
     thread does only every switch interval (5 ms by default). Measured on
-    the small BERT: the optimisation took 35 ms beside amanda's work at 5
-    ms, 21 ms at 0.2 ms, 20 ms alone. The interval is restored when the
-    last such thread ends (a count, so overlapping creations on several
-    threads nest), unless somebody changed it meanwhile."""
+    the small BERT, beside 25 ms of lifting (12 trials each): the
+    optimisation took 36 ms at 5 ms, 27 ms at 1 ms, 24.6 ms at 0.2 ms,
+    22.8 ms at 0.05 ms (no less at 0.01 ms), 20.2 ms alone; the lifting
+    took 24-27 ms at every interval. The interval is restored when the last
+    such thread ends (a count, so overlapping creations on several threads
+    nest), unless somebody changed it meanwhile."""
 
-    LOW = 0.0002
+    LOW = 0.00005
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -488,15 +490,6 @@ class _SwitchInterval:
 
 
 _SWITCH = _SwitchInterval()
-
-
-def _timed(graph):
-    """Whether a top-level routine of the lowered ``graph`` was recorded inside
-    `hosted_observation` (a timer, `Action.in_run`): the session then hosts its
-    observe-only routines inside the run, all of them, as the scope around its
-    creation would."""
-    return any(op.type == ROUTINE and getattr(op.attrs.get("action"), "in_run", False)
-               for op in graph)
 
 
 #: initializers at least this large are shared with onnxruntime (see `_shared`)
