@@ -165,3 +165,49 @@ def test_the_collector_is_paused_while_a_session_is_instrumented():
             gc.enable()
     finally:
         gc.callbacks.remove(note)
+
+
+_SCRATCH = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np, onnxruntime as ort
+    import amanda
+    from amanda.runtime.onnx import scratch
+    sys.path.insert(0, sys.argv[1])
+    from tests.onnx.test_session_cost_onnx import _long_chain
+
+    class Look(amanda.Tool):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+            self.add_inst_for_op(self.analyse)
+        def analyse(self, context):
+            context.insert_after_op(self.look)
+        def look(self, *arrays):
+            self.seen += 1
+
+    data = _long_chain(8)
+    lists = []
+    for options in (None, ort.SessionOptions()):
+        tool = Look()
+        with amanda.apply(tool):
+            session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        session.run(None, {"x": np.ones((2, 3), np.float32)})
+        lists.append(sorted(os.listdir(scratch.folder())))
+    print(json.dumps({"folder": scratch.folder(), "lists": lists, "seen": tool.seen}))
+""")
+
+
+def test_the_scratch_folder_keeps_no_files_and_goes_with_the_process():
+    """The files onnxruntime writes while amanda creates a session (the
+    optimised model, its weights) live in one scratch folder per process
+    (`amanda.runtime.onnx.scratch`): after each creation only the empty
+    stub a lean model names is left, and the folder is removed when the
+    process exits."""
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", _SCRATCH, ROOT], capture_output=True,
+                          text=True, env=env, cwd=ROOT, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["seen"] == 17, out
+    for listed in out["lists"]:
+        assert set(listed) <= {"amanda-shared.bin"}, out
+    assert not os.path.exists(out["folder"]), out
