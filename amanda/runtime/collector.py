@@ -20,6 +20,11 @@ own instrumenting work, never around a user's run; spans on several
 threads nest (a count), and the collector is enabled again only if amanda
 disabled it (a collector the user disabled stays off; enabling or disabling
 it from another thread during the span is not told apart).
+
+Used where it was measured to matter: ONNX session creation. TensorFlow's
+rewrite of a ``tf.function`` (a Keras ``SimpleRNN`` training step, 1,598
+routine calls) spent 0.02 s of a 3 s first call in the collector, with
+no full collection, so it is not paused there.
 """
 
 from __future__ import annotations

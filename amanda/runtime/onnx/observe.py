@@ -31,7 +31,7 @@ from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback
                                       _catalog, _register_callback, refused_run,
                                       run_methods)
 from amanda.runtime.onnx.lowering import _Lowering
-from amanda.runtime.onnx.wire import initializer_views
+from amanda.runtime.onnx.wire import graph_outputs, initializer_views
 
 
 
@@ -165,12 +165,14 @@ class _SideBranches(_Lowering):
                 self._weights_here.add(declared.name)
         self._available = set()   # the top graph's values (for its `_Available`)
         _collect_proto_names(proto, self.used, self._available)
-        self._graph_outputs = proto.output
+        self._pending_outputs = []   # (name, serialized type) declared, not yet appended
+        self._type_bytes = {}   # id(TypeProto) -> (it, its bytes)
 
     def model(self):
         outputs = [o.name for o in self.result.graph.output]
         own = len(self.result.graph.node)
         self._attach(self.top, self.result.graph, self.original.graph)
+        self._flush_outputs()
         if self.fetch:
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
         # weights copied in for routines that no node reads are not in the
@@ -318,12 +320,23 @@ class _SideBranches(_Lowering):
         self._declared.add(name)
         if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
-        # made in place: appending a ValueInfoProto would copy it once more
-        info = self._graph_outputs.add(name=name)
+        # appended with the others in one merge (`_flush_outputs`)
         onnx_type = self.onnx_type(tensor)
-        if onnx_type is not None:
-            info.type.CopyFrom(onnx_type)
+        if onnx_type is None:
+            self._pending_outputs.append((name, None))
+        else:
+            known = self._type_bytes.get(id(onnx_type))
+            if known is None or known[0] is not onnx_type:
+                known = self._type_bytes[id(onnx_type)] = (onnx_type,
+                                                           onnx_type.SerializeToString())
+            self._pending_outputs.append((name, known[1]))
         self._outputs.add(name)
+
+    def _flush_outputs(self):
+        """Append the outputs `_declare_output` declared to the top graph."""
+        if self._pending_outputs:
+            self.result.graph.MergeFromString(graph_outputs(self._pending_outputs))
+            self._pending_outputs = []
 
     def name(self, tensor):
         name = self.names.get(tensor)
@@ -605,15 +618,15 @@ def _drop_unread_initializers(proto, names, start=0):
     unread = set(names) - read
     if not unread:
         return {}
-    keep, dropped = [], {}
-    for initializer in proto.initializer:
-        if initializer.name in unread:
-            dropped[initializer.name] = numpy_helper.to_array(initializer)
-        else:
-            keep.append(initializer)
-    if dropped:
-        del proto.initializer[:]
-        proto.initializer.extend(keep)
+    dropped = {}
+    initializers = proto.initializer
+    # removed one by one from the end: rebuilding the list would copy
+    # every kept weight
+    for index in range(len(initializers) - 1, -1, -1):
+        name = initializers[index].name
+        if name in unread:
+            dropped[name] = numpy_helper.to_array(initializers[index])
+            del initializers[index]
     return dropped
 
 

@@ -507,8 +507,10 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
     in_bodies, timed, observed = hit.observed
     budget = fetch_budget()
     fetch = not in_bodies and not timed and budget is not None and observed <= budget
+    # (``own``: only a session with amanda's own options shares weights,
+    # `_shared`; its entry holds the lean model and the shared views)
     key = (int(options.graph_optimization_level), repr(providers), repr(provider_options),
-           fetch)
+           fetch, own)
     found = hit.optimised.get(key)
     if found is None:
         graph, model = hit.side_graph(given, session)
@@ -545,14 +547,13 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             needed = set(bound[0].constants) if bound[0] is not None else set()
             needed.update(n for _, slots in bound[1] for n in slots.values())
             needed.difference_update(bound[2])   # (dropped from the model: values kept)
-            names = [i.name for i in result.graph.initializer]
             # copies of the observed weights no view can be made of
             fallback = onnx.GraphProto()
             fallback.initializer.extend(
                 i for i in result.graph.initializer if i.name in needed
                 and not viewable(i, folder) and i.data_location != onnx.TensorProto.EXTERNAL)
             large = {}
-            for initializer in result.graph.initializer:
+            for initializer in result.graph.initializer if own else ():
                 if viewable(initializer, folder) and raw_size(initializer) >= SHARED_BYTES:
                     large[initializer.name] = raw_size(initializer)
             with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
@@ -561,11 +562,11 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 # freed: one serialized copy at a time, not three
                 spans = write_model(result, file, folder)
                 folder.cleanup()
-                lean = _lean(result, large)
+                lean = _lean(result, large) if own else None
                 del result
                 file.seek(0)
                 data = file.read()
-            views = initializer_views(data, names, spans)
+            views = initializer_views(data, needed | set(large), spans)
             if needed - set(views) - {i.name for i in fallback.initializer}:
                 # malformed, or external data of a type no view is made of: copy from it
                 fallback = onnx.ModelProto.FromString(data).graph

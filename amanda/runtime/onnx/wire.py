@@ -210,6 +210,27 @@ def _varint_bytes(value):
             return bytes(out)
 
 
+#: GraphProto.output, ValueInfoProto.name and .type
+_GRAPH_OUTPUT, _INFO_NAME, _INFO_TYPE = 12, 1, 2
+
+
+def graph_outputs(outputs):
+    """The serialized ``GraphProto`` holding only ``outputs``: ``(name,
+    serialized TypeProto or None)`` each, in order. Merged into a graph
+    (``MergeFromString``), it appends them to its outputs in one call
+    instead of one ``ValueInfoProto`` made and typed at a time."""
+    pieces = []
+    name_tag, type_tag = bytes([_INFO_NAME << 3 | 2]), bytes([_INFO_TYPE << 3 | 2])
+    output_tag = bytes([_GRAPH_OUTPUT << 3 | 2])
+    for name, type_bytes in outputs:
+        name = name.encode("utf-8")
+        info = name_tag + _varint_bytes(len(name)) + name
+        if type_bytes is not None:
+            info += type_tag + _varint_bytes(len(type_bytes)) + type_bytes
+        pieces.append(output_tag + _varint_bytes(len(info)) + info)
+    return b"".join(pieces)
+
+
 def _repeated(field):
     flag = getattr(field, "is_repeated", None)
     return flag if flag is not None else field.label == 3   # LABEL_REPEATED
