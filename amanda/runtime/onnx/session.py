@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import io
 import os
 import sys
 import tempfile
@@ -556,17 +557,27 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
             for initializer in result.graph.initializer if own else ():
                 if viewable(initializer, folder) and raw_size(initializer) >= SHARED_BYTES:
                     large[initializer.name] = raw_size(initializer)
-            with tempfile.TemporaryFile(prefix="amanda-onnx-") as file:
-                # written a weight at a time (those onnxruntime left in the
-                # folder read from there) and read back once the model is
-                # freed: one serialized copy at a time, not three
+            order = [i.name for i in result.graph.initializer]
+            small = given.size() is not None and given.size() <= OVERLAP_BYTES
+            # a small model is written into memory (no file, no system call
+            # per weight); a larger one into a file, a weight at a time
+            # (those onnxruntime left in the folder read from there), and
+            # read back once the model is freed: one serialized copy at a
+            # time, not three
+            with (io.BytesIO() if small else
+                  tempfile.TemporaryFile(prefix="amanda-onnx-")) as file:
                 spans = write_model(result, file, folder)
                 folder.cleanup()
                 lean = _lean(result, large) if own else None
                 del result
-                file.seek(0)
-                data = file.read()
-            views = initializer_views(data, needed | set(large), spans)
+                if small:
+                    data = file.getvalue()
+                else:
+                    file.seek(0)
+                    data = file.read()
+            wanted = needed | set(large)
+            views = initializer_views(data, wanted, [span for name, span in zip(order, spans)
+                                                     if name in wanted])
             if needed - set(views) - {i.name for i in fallback.initializer}:
                 # malformed, or external data of a type no view is made of: copy from it
                 fallback = onnx.ModelProto.FromString(data).graph
