@@ -191,3 +191,24 @@ def test_the_switch_interval_is_restored_after_the_optimisation_ahead(interval):
             driver._optimised_by_onnxruntime = restore
     finally:
         sys.setswitchinterval(saved)
+
+
+def test_a_failure_while_onnxruntime_optimises_leaves_nothing_running(monkeypatch):
+    """The side branches' preparation runs while onnxruntime optimises the
+    model on amanda's thread: if it fails, the optimisation is waited for and
+    its files removed before the error reaches the user."""
+    import os
+    import sys
+    from amanda.runtime.onnx import scratch
+    from amanda.runtime.onnx.observe import _SideBranches as branches
+
+    def failing(self):
+        raise RuntimeError("preparation failed")
+
+    monkeypatch.setattr(branches, "prepare", failing)
+    interval = sys.getswitchinterval()
+    with pytest.raises(RuntimeError, match="preparation failed"):
+        with amanda.apply(Observer()):
+            ort.InferenceSession(chain().SerializeToString(), providers=["CPUExecutionProvider"])
+    assert set(os.listdir(scratch.folder())) <= {scratch.STUB}
+    assert sys.getswitchinterval() == interval

@@ -518,7 +518,12 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
         branches = _SideBranches(graph, model, fetch=fetch, eager=not fetch and not in_bodies)
         del graph, model   # the branches hold them now
         if given.ahead is not None:
-            branches.prepare()   # while onnxruntime optimises the model
+            try:
+                branches.prepare()   # while onnxruntime optimises the model
+            except BaseException:
+                given.ahead.discard()   # (its files removed, nothing left running)
+                given.ahead = None
+                raise
         ahead = given.ahead.result() if given.ahead is not None else None
         if ahead is not None and ahead[0] == key[:3]:
             folder, optimised = ahead[1:]
