@@ -10,7 +10,10 @@ the plain model's and the hosted one's; and lowering happens exactly where
 a routine may change the dataflow.
 """
 
+import collections
+
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -212,3 +215,97 @@ def test_a_failure_while_onnxruntime_optimises_leaves_nothing_running(monkeypatc
             ort.InferenceSession(chain().SerializeToString(), providers=["CPUExecutionProvider"])
     assert set(os.listdir(scratch.folder())) <= {scratch.STUB}
     assert sys.getswitchinterval() == interval
+
+
+def tied():
+    """x[2,4] -> MatMul (Identity of W) -> Add (a Constant) -> Mul (the sum
+    of two Constants) -> Reshape (Identity of a Constant) -> Relu -> y.
+    onnxruntime folds the Identity nodes and the Constants' sum away: the
+    Identities' outputs and the summed Constants exist only in the user's
+    graph."""
+    rng = np.random.default_rng(3)
+    bias = numpy_helper.from_array(rng.standard_normal(3).astype(np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["W"], ["Wt"], name="tie"),
+         helper.make_node("Constant", [], ["B"], name="bias", value=bias),
+         helper.make_node("Constant", [], ["half"], name="half", value_float=0.25),
+         helper.make_node("Constant", [], ["quarter"], name="quarter",
+                          value=numpy_helper.from_array(np.array(0.25, np.float32))),
+         helper.make_node("Add", ["half", "quarter"], ["s"], name="scale"),
+         helper.make_node("Constant", [], ["shape0"], name="dims", value_ints=[3, 2]),
+         helper.make_node("Identity", ["shape0"], ["shape"], name="dims_id"),
+         helper.make_node("MatMul", ["x", "Wt"], ["m"], name="mm"),
+         helper.make_node("Add", ["m", "B"], ["a"], name="add"),
+         helper.make_node("Mul", ["a", "s"], ["ms"], name="mul"),
+         helper.make_node("Reshape", ["ms", "shape"], ["r"], name="reshape"),
+         helper.make_node("Relu", ["r"], ["y"], name="relu")], "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+class Keeper(amanda.Tool):
+    """Keeps a copy of every node's outputs, by node name."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+        self.add_inst_for_op(self.analyse, require_outputs=True)
+
+    def analyse(self, context):
+        context.insert_after_op(self.keep, node=context.get_op().name)
+
+    def keep(self, *arrays, node):
+        self.seen[node] = [np.array(a) for a in arrays]
+
+
+@pytest.mark.parametrize("fetch", [True, False], ids=["fetched", "hosted"])
+def test_folded_constants_and_identities_are_observed_without_a_node(fetch):
+    """A value onnxruntime folded away that an Identity or a Constant made
+    is what the Identity's input or the Constant's attribute holds: the side
+    branches make no node for it (an initializer or the input's name stands
+    for it), and the routine sees exactly that value."""
+    user = tied()
+    data = user.SerializeToString()
+    folder, optimised = _optimised_by_onnxruntime(
+        data, _plain_options(None), True, ["CPUExecutionProvider"], None, {})
+    try:
+        own = collections.Counter(n.op_type for n in optimised.graph.node)
+        assert not any(n.op_type in ("Identity", "Constant") for n in optimised.graph.node)
+        sited = _instrument(user, session_for([Keeper()]), callbacks=True, apart=True)[1].top
+        model = _SideBranches(sited, user, optimised, fetch=fetch, eager=not fetch).model()
+    finally:
+        folder.cleanup()
+    added = collections.Counter(n.op_type for n in model.graph.node) - own
+    assert "Identity" not in added and "Constant" not in added, added
+    # what each routine sees, against the user's graph run at ORT_DISABLE_ALL
+    # with every value an output
+    every = onnx.ModelProto()
+    every.CopyFrom(user)
+    del every.graph.output[:]
+    every.graph.output.extend(helper.make_empty_tensor_value_info(o) for n in user.graph.node
+                              for o in n.output)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    x = np.random.default_rng(4).standard_normal((2, 4)).astype(np.float32)
+    values = dict(zip([o.name for o in every.graph.output],
+                      ort.InferenceSession(every.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+                      .run(None, {"x": x})))
+    tool = Keeper()
+    with amanda.apply(tool):
+        if fetch:
+            made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        else:
+            with amanda.runtime.onnx.hosted_observation():
+                made = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert all(same(a, b) for a, b in zip(want, made.run(None, {"x": x})))
+    folded = [n for n in user.graph.node if n.op_type in ("Identity", "Constant")]
+    assert len(folded) == 6
+    for node in folded:
+        (got,) = tool.seen[node.name]
+        assert same(got, values[node.output[0]]), node.name

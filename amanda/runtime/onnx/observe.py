@@ -360,18 +360,24 @@ class _SideBranches(_Lowering):
             return found
         weight = scope.weights.get(name)
         if weight is not None:
-            copy = scope.proto.initializer.add()
-            copy.CopyFrom(weight)
-            copy.name = scope.recomputed[name] = self.fresh(name)
-            self.copied.add(copy.name)
-            if scope.proto is self.result.graph:
-                self._weights_here.add(copy.name)
-            return copy.name
+            return self._copy_in(scope, name, weight)
         node = scope.producers.get(name)
         if node is None:
             if scope.outer is not None:   # a value of an enclosing graph
                 return self.resolve(name, scope.outer)
             raise _NotSide(name)
+        if node.domain in _DEFAULT_DOMAINS:
+            # no node for a value known without running one: an Identity's
+            # output is its input's value, a Constant's is its attribute
+            # (an initializer then, which a fetched routine reads from the
+            # plan and a hosted one as a view, `bind_weights`)
+            if node.op_type == "Identity" and len(node.input) == 1 and node.input[0]:
+                found = scope.recomputed[name] = self.resolve(node.input[0], scope)
+                return found
+            if node.op_type == "Constant":
+                value = _constant_value(node)
+                if value is not None:
+                    return self._copy_in(scope, name, value)
         for attribute in node.attribute:
             if attribute.type in _BODY_KINDS:
                 raise _NotSide(name)
@@ -391,6 +397,47 @@ class _SideBranches(_Lowering):
         del copy.output[:]
         copy.output.extend(outputs)
         return scope.recomputed[name]
+
+
+    def _copy_in(self, scope, name, tensor):
+        """Add a copy of ``tensor`` (a TensorProto) to the scope's graph as
+        an initializer standing for the user's value ``name``; its fresh
+        name."""
+        copy = scope.proto.initializer.add()
+        copy.CopyFrom(tensor)
+        copy.name = scope.recomputed[name] = self.fresh(name)
+        self.copied.add(copy.name)
+        if scope.proto is self.result.graph:
+            self._weights_here.add(copy.name)
+        return copy.name
+
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+#: a Constant node's attributes other than ``value``: (element type, scalar)
+_CONSTANT_LISTS = {"value_float": (onnx.TensorProto.FLOAT, True),
+                   "value_floats": (onnx.TensorProto.FLOAT, False),
+                   "value_int": (onnx.TensorProto.INT64, True),
+                   "value_ints": (onnx.TensorProto.INT64, False),
+                   "value_string": (onnx.TensorProto.STRING, True),
+                   "value_strings": (onnx.TensorProto.STRING, False)}
+
+
+def _constant_value(node):
+    """The TensorProto a Constant node outputs, or None where it is not
+    held in the node itself (a sparse value, external data)."""
+    if len(node.attribute) != 1:
+        return None
+    attribute = node.attribute[0]
+    if attribute.name == "value":
+        tensor = attribute.t
+        return None if tensor.data_location == onnx.TensorProto.EXTERNAL else tensor
+    kind = _CONSTANT_LISTS.get(attribute.name)
+    if kind is None:
+        return None
+    value = onnx.helper.get_attribute_value(attribute)
+    values = [value] if kind[1] else list(value)
+    return onnx.helper.make_tensor("", kind[0], [] if kind[1] else [len(values)], values)
 
 
 def _sort_nodes_eagerly(proto, own):
