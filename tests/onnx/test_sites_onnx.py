@@ -101,16 +101,22 @@ def test_sites_give_the_side_branches_what_routine_ops_give(name, fetch):
     assert sum(op.type == lowering_pass.ROUTINE for op in routine_ops) == \
         sum(op.type == lowering_pass.ROUTINE for op in sited) == 4 * len(user.graph.node)
     results = []
-    for graph in (sited, routine_ops):
+    # the sites prepared while onnxruntime optimises (as a session does) or
+    # not, and the routine ops
+    for graph, prepared in ((sited, True), (sited, False), (routine_ops, False)):
         folder, optimised = _optimised_by_onnxruntime(
             user.SerializeToString(), _plain_options(None), True, ["CPUExecutionProvider"],
             None, {})
         try:
-            results.append(_plan(_SideBranches(graph, user, optimised, fetch=fetch,
-                                               eager=not fetch)))
+            branches = _SideBranches(graph, user, fetch=fetch, eager=not fetch)
+            if prepared:
+                branches.prepare()
+                assert branches._sites_prepared == fetch
+            branches.take(optimised)
+            results.append(_plan(branches))
         finally:
             folder.cleanup()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert any("recomputed" in n for _, _, outputs in results[0][0] for n in outputs)
     # written with the routines in the dataflow, both are one model
     written = [lower(g) for g in (lowerable(sited), routine_ops)]

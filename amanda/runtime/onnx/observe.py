@@ -107,6 +107,12 @@ class _SideBranches(_Lowering):
         # their tensors)
         self._users = None
         self._prepared = {}
+        # every top-level routine prepared and none with outputs (`Site`s):
+        # `model` reads them from `_prepared` alone (`_fetch_prepared`)
+        self._sites_prepared = False
+        # per prepared tensor, its type as `graph_outputs` takes it
+        self._output_types = {}
+        self._type_bytes = {}   # id(TypeProto) -> (it, its bytes)
         self.result = None
         if optimized is not None:
             self.take(optimized)
@@ -141,6 +147,12 @@ class _SideBranches(_Lowering):
                         tensors.append(tensor)
                 prepared[op] = (action, where, hosted, tensors)
             self._prepared = prepared
+            self._sites_prepared = not any(op.outputs for op in prepared)
+            types = self._output_types
+            for _, _, _, tensors in prepared.values():
+                for tensor in tensors:
+                    if tensor not in types:
+                        types[tensor] = self._type_of_output(tensor)
         finally:
             self._leave_graph(saved)
 
@@ -166,12 +178,14 @@ class _SideBranches(_Lowering):
         self._available = set()   # the top graph's values (for its `_Available`)
         _collect_proto_names(proto, self.used, self._available)
         self._pending_outputs = []   # (name, serialized type) declared, not yet appended
-        self._type_bytes = {}   # id(TypeProto) -> (it, its bytes)
 
     def model(self):
         outputs = [o.name for o in self.result.graph.output]
         own = len(self.result.graph.node)
-        self._attach(self.top, self.result.graph, self.original.graph)
+        if self._sites_prepared:
+            self._fetch_prepared()
+        else:
+            self._attach(self.top, self.result.graph, self.original.graph)
         self._flush_outputs()
         if self.fetch:
             self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
@@ -258,6 +272,31 @@ class _SideBranches(_Lowering):
             self._leave_graph(saved[0])
             self.scope = saved[1]
 
+    def _fetch_prepared(self):
+        """What `_attach` does for a top graph whose routines all observe
+        at sites and were prepared (fetch mode: none in a body, so its
+        other ops need nothing): an entry per routine, each tensor named and
+        declared once, without walking the graph's ops again."""
+        saved = self._enter_graph(self.top), self.scope
+        self.graph_proto = self.result.graph
+        self.scope = _Available(self.result.graph, self.original.graph, None, self._users,
+                                self._available)
+        try:
+            fetched = self._fetched_names
+            entries = self.fetched
+            for op, (action, where, hosted, tensors) in self._prepared.items():
+                names = []
+                for tensor in tensors:
+                    name = fetched.get(tensor)
+                    if name is None:
+                        name = fetched[tensor] = self.name(tensor)
+                        self._declare_output(tensor, name)
+                    names.append(name)
+                entries.append((action, where, len(op.inputs), hosted, names))
+        finally:
+            self._leave_graph(saved[0])
+            self.scope = saved[1]
+
     def _attach_body(self, op, attr, index, body, proto, original):
         self.into_bodies = True
         outputs = [self.names.get(t, t.name) if not t.attrs.get("absent") else ""
@@ -321,16 +360,22 @@ class _SideBranches(_Lowering):
         if name in self._inputs or name in self._weights_here or name in self._outputs:
             return
         # appended with the others in one merge (`_flush_outputs`)
+        found = self._output_types.get(tensor, _UNTYPED)
+        if found is _UNTYPED:
+            found = self._type_of_output(tensor)
+        self._pending_outputs.append((name, found))
+        self._outputs.add(name)
+
+    def _type_of_output(self, tensor):
+        """The tensor's ``TypeProto`` serialized (the same bytes for the
+        same message), or None."""
         onnx_type = self.onnx_type(tensor)
         if onnx_type is None:
-            self._pending_outputs.append((name, None))
-        else:
-            known = self._type_bytes.get(id(onnx_type))
-            if known is None or known[0] is not onnx_type:
-                known = self._type_bytes[id(onnx_type)] = (onnx_type,
-                                                           onnx_type.SerializeToString())
-            self._pending_outputs.append((name, known[1]))
-        self._outputs.add(name)
+            return None
+        known = self._type_bytes.get(id(onnx_type))
+        if known is None or known[0] is not onnx_type:
+            known = self._type_bytes[id(onnx_type)] = (onnx_type, onnx_type.SerializeToString())
+        return known[1]
 
     def _flush_outputs(self):
         """Append the outputs `_declare_output` declared to the top graph."""
@@ -413,6 +458,7 @@ class _SideBranches(_Lowering):
 
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+_UNTYPED = object()
 
 #: a Constant node's attributes other than ``value``: (element type, scalar)
 _CONSTANT_LISTS = {"value_float": (onnx.TensorProto.FLOAT, True),
