@@ -33,9 +33,6 @@ from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback
 from amanda.runtime.onnx.lowering import _Lowering
 from amanda.runtime.onnx.wire import graph_outputs, initializer_views
 
-
-
-
 #: AttributeProto types of the attributes holding bodies (GRAPH, GRAPHS)
 _BODY_KINDS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
@@ -99,7 +96,7 @@ class _SideBranches(_Lowering):
         self.weights = []
         self._dropped = {}
         self.into_bodies = False   # routines were attached inside bodies
-        self._fetched_names = {}   # tensor -> its fetched name (None: not hosted)
+        self._fetched_names = {}   # tensor -> the name it is fetched by
         self.original = model
         self.scope = None
         # what `prepare` found: the user's top graph's producers and weights,
