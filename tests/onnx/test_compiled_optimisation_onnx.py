@@ -15,8 +15,10 @@ session.
 
 import os
 
+import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
 from amanda.runtime.onnx import scratch, session
@@ -169,3 +171,42 @@ def test_a_graph_with_bodies_comes_from_the_session(monkeypatch):
         folder.cleanup()
     assert got == saved
     ort.InferenceSession(got.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def gelu():
+    """x -> the erf form of GELU -> y: onnxruntime fuses it into ``Gelu``,
+    or ``FastGelu`` when the options ask for the approximation."""
+    graph = helper.make_graph(
+        [helper.make_node("Div", ["x", "sqrt2"], ["d"]),
+         helper.make_node("Erf", ["d"], ["e"]),
+         helper.make_node("Add", ["e", "one"], ["a"]),
+         helper.make_node("Mul", ["x", "a"], ["m"]),
+         helper.make_node("Mul", ["m", "half"], ["y"])], "gelu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(np.array(2 ** 0.5, np.float32), "sqrt2"),
+         numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+         numpy_helper.from_array(np.array(0.5, np.float32), "half")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.skipif(session._COMPILER is None, reason="onnxruntime before 1.22 has no compiler")
+def test_the_compiler_reads_the_users_config_entries(monkeypatch):
+    """A config entry of the user's options that changes the optimised graph
+    (``optimization.enable_gelu_approximation``) changes the compiler's too."""
+    data = gelu().SerializeToString()
+    made = {}
+    for compiles in (True, False):
+        monkeypatch.setattr(session, "_compiles", lambda *a, c=compiles: c)
+        options = ort.SessionOptions()
+        options.add_session_config_entry("optimization.enable_gelu_approximation", "1")
+        folder = scratch.Files()
+        try:
+            made[compiles] = session._optimise_into(folder, data, options, False,
+                                                    ["CPUExecutionProvider"], None, {})
+        finally:
+            folder.cleanup()
+    assert [n.op_type for n in made[True].graph.node] == ["FastGelu"]
+    assert _normal(made[True]) == _normal(made[False])
