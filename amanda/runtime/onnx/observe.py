@@ -440,7 +440,6 @@ class _SideBranches(_Lowering):
         copy.output.extend(outputs)
         return scope.recomputed[name]
 
-
     def _copy_in(self, scope, name, tensor):
         """Add a copy of ``tensor`` (a TensorProto) to the scope's graph as
         an initializer standing for the user's value ``name``; its fresh

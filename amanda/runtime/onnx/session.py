@@ -390,8 +390,8 @@ def _optimise_into(folder, data, options, own, providers, provider_options, kwar
 OPTIMISED_WEIGHTS = ".weights"
 
 
-#: onnxruntime's model compiler (``ModelCompiler``, 1.22 and later), if it
-#: takes an optimisation level
+#: onnxruntime's model compiler (``ModelCompiler``, 1.22 and later; one that
+#: takes no optimisation level raises, and a session optimises instead)
 _COMPILER = getattr(ort, "ModelCompiler", None)
 
 
