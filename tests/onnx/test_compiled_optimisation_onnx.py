@@ -79,21 +79,27 @@ def _normal(model):
     return model
 
 
+def _optimised(data, options=None, own=False):
+    """``_optimise_into`` of the model's bytes (a CPU session), its weights
+    written beside it read in (their bytes, not the file's name)."""
+    if options is None:
+        options = session._fresh_options(register=False) if own else ort.SessionOptions()
+    folder = scratch.Files()
+    try:
+        model = session._optimise_into(folder, data, options, own, ["CPUExecutionProvider"],
+                                       None, {})
+        load_external_data_for_model(model, scratch.folder())
+        return model
+    finally:
+        folder.cleanup()
+
+
 def _both(data, own=False, monkeypatch=None):
     """(compiled, saved by a session) through ``_optimise_into``."""
     made = []
     for compiles in (True, False):
         monkeypatch.setattr(session, "_compiles", lambda *a, c=compiles: c)
-        folder = scratch.Files()
-        try:
-            options = session._fresh_options(register=False) if own else ort.SessionOptions()
-            model = session._optimise_into(folder, data, options, own,
-                                           ["CPUExecutionProvider"], None, {})
-            # (weights written beside it: their bytes, not the file's name)
-            load_external_data_for_model(model, scratch.folder())
-            made.append(model)
-        finally:
-            folder.cleanup()
+        made.append(_optimised(data, own=own))
     return made
 
 
@@ -155,21 +161,10 @@ def test_a_graph_with_bodies_comes_from_the_session(monkeypatch):
     compiles = []
     real = session._compile
     monkeypatch.setattr(session, "_compile", lambda *a: compiles.append(1) or real(*a))
-    folder = scratch.Files()
-    try:
-        got = session._optimise_into(folder, data, ort.SessionOptions(), False,
-                                     ["CPUExecutionProvider"], None, {})
-    finally:
-        folder.cleanup()
+    got = _optimised(data)
     assert compiles == [1]
     monkeypatch.setattr(session, "_compiles", lambda *a: False)
-    folder = scratch.Files()
-    try:
-        saved = session._optimise_into(folder, data, ort.SessionOptions(), False,
-                                       ["CPUExecutionProvider"], None, {})
-    finally:
-        folder.cleanup()
-    assert got == saved
+    assert got == _optimised(data)
     ort.InferenceSession(got.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -202,11 +197,6 @@ def test_the_compiler_reads_the_users_config_entries(monkeypatch):
         monkeypatch.setattr(session, "_compiles", lambda *a, c=compiles: c)
         options = ort.SessionOptions()
         options.add_session_config_entry("optimization.enable_gelu_approximation", "1")
-        folder = scratch.Files()
-        try:
-            made[compiles] = session._optimise_into(folder, data, options, False,
-                                                    ["CPUExecutionProvider"], None, {})
-        finally:
-            folder.cleanup()
+        made[compiles] = _optimised(data, options)
     assert [n.op_type for n in made[True].graph.node] == ["FastGelu"]
     assert _normal(made[True]) == _normal(made[False])

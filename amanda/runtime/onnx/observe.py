@@ -279,17 +279,10 @@ class _SideBranches(_Lowering):
         self.scope = _Available(self.result.graph, self.original.graph, None, self._users,
                                 self._available)
         try:
-            fetched = self._fetched_names
             entries = self.fetched
             for op, (action, where, hosted, tensors) in self._prepared.items():
-                names = []
-                for tensor in tensors:
-                    name = fetched.get(tensor)
-                    if name is None:
-                        name = fetched[tensor] = self.name(tensor)
-                        self._declare_output(tensor, name)
-                    names.append(name)
-                entries.append((action, where, len(op.inputs), hosted, names))
+                entries.append((action, where, len(op.inputs), hosted,
+                                self._fetched_as(tensors)))
         finally:
             self._leave_graph(saved[0])
             self.scope = saved[1]
@@ -331,21 +324,26 @@ class _SideBranches(_Lowering):
     def _fetch(self, op, action, where, hosted, tensors):
         """The plan's entry for a fetched routine; ``tensors`` (at positions
         ``hosted`` of its inputs) reach Python."""
-        names = []
-        fetched = self._fetched_names
-        for tensor in tensors:
-            # a tensor is mostly observed twice (after its producer, before
-            # its reader): named and declared once
-            name = fetched.get(tensor)
-            if name is None:
-                name = fetched[tensor] = self.name(tensor)
-                self._declare_output(tensor, name)
-            names.append(name)
+        names = self._fetched_as(tensors)
         # (no `_Callback`: no node calls it; the plan calls the routine)
         inputs = op.inputs
         for tensor, source in zip(op.outputs, inputs):
             self._alias(tensor, self.name(source))
         self.fetched.append((action, where, len(inputs), hosted, names))
+
+    def _fetched_as(self, tensors):
+        """The names ``tensors`` are fetched by. A tensor is mostly observed
+        twice (after its producer, before its reader): named and declared an
+        output once."""
+        names = []
+        fetched = self._fetched_names
+        for tensor in tensors:
+            name = fetched.get(tensor)
+            if name is None:
+                name = fetched[tensor] = self.name(tensor)
+                self._declare_output(tensor, name)
+            names.append(name)
+        return names
 
     def _declare_output(self, tensor, name):
         """Make ``name`` an output of the top graph (once; not for graph
