@@ -106,8 +106,13 @@ def _both(data, own=False, monkeypatch=None):
 def test_the_compiler_is_used_for_a_cpu_session_of_the_users_options():
     options = ort.SessionOptions()
     cpu = ["CPUExecutionProvider"]
-    assert session._compiles(options, cpu, None, {}) == (session._COMPILER is not None)
-    assert not session._compiles(options, None, None, {})   # (the session picks them)
+    available = session._COMPILER is not None
+    assert session._compiles(options, cpu, None, {}) == available
+    # none named: a session uses the CPU's alone, as the compiler does
+    assert session._compiles(options, None, None, {}) == available
+    assert ort.InferenceSession(mlp().SerializeToString()).get_providers() == cpu
+    assert not session._compiles(options, ["CPUExecutionProvider", "CUDAExecutionProvider"],
+                                 None, {})
     assert not session._compiles(options, cpu, None, {"disabled_optimizers": ["X"]})
     assert not session._compiles(options, [("CPUExecutionProvider", {"a": "1"})], None, {})
     options.optimized_model_filepath = "users.onnx"

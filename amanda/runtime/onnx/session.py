@@ -397,15 +397,15 @@ _COMPILER = getattr(ort, "ModelCompiler", None)
 
 def _compiles(options, providers, provider_options, kwargs):
     """Whether `_compile` may stand for a session that saves its optimised
-    model: onnxruntime's CPU provider alone, named by the caller (the
-    compiler takes its providers from the options, a session from its
-    ``providers``), no provider options or ``disabled_optimizers``, and no
-    file of the user's own to save the optimised model to."""
-    if _COMPILER is None or kwargs or provider_options or not providers:
+    model: onnxruntime's CPU provider alone, named by the caller or none
+    named (a session given no providers uses the CPU's, the compiler too),
+    none in the options (the compiler would take those, a session the
+    ones it is given), no provider options or ``disabled_optimizers``, and
+    no file of the user's own to save the optimised model to."""
+    if _COMPILER is None or kwargs or provider_options:
         return False
-    names = [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
-    if names != ["CPUExecutionProvider"] or any(isinstance(p, (tuple, list)) for p in providers):
-        return False
+    if providers and (list(providers) != ["CPUExecutionProvider"]):
+        return False   # (another provider, or the CPU's with options)
     has = getattr(options, "has_providers", None)
     return not options.optimized_model_filepath and not (has is not None and has())
 
