@@ -73,3 +73,74 @@ def test_a_kept_session_still_calls_its_dropped_tool():
     del session
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("mode", ["fetched", "hosted", "cache_disabled"])
+def test_a_dropped_session_is_freed_at_once(mode):
+    """A session amanda made holds no reference to itself (host.set_run): the
+    user dropping it frees it, and onnxruntime's buffers, without waiting
+    for the cyclic collector (which is off here). Before, its run methods
+    were closures over it in its own ``__dict__``: a loop making sessions
+    kept every one of them until a collection."""
+    data, feeds = onnx_export("bert")
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
+    tool = _Counter()
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        refs = []
+        for _ in range(3):
+            with amanda.apply(tool):
+                if mode == "hosted":
+                    with amanda.runtime.onnx.hosted_observation():
+                        session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+                else:
+                    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+            calls = tool.calls
+            if mode == "cache_disabled":
+                with amanda.cache_disabled():
+                    got = session.run(None, feeds)
+            else:
+                got = session.run(None, feeds)
+            assert tool.calls > calls
+            assert all((a == b).all() for a, b in zip(want, got))
+            # an instrumented session is still an InferenceSession, named as one
+            assert isinstance(session, ort.InferenceSession)
+            assert type(session).__name__ == "InferenceSession"
+            assert repr(session).startswith("<onnxruntime.capi.onnxruntime_inference_collection"
+                                            ".InferenceSession object")
+            refs.append(weakref.ref(session))
+            del session
+            assert refs[-1]() is None
+        # a run method held keeps its session, as a plain session's does
+        with amanda.apply(tool):
+            run = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run
+        calls = tool.calls
+        assert all((a == b).all() for a, b in zip(want, run(None, feeds)))
+        assert tool.calls > calls
+        ref = weakref.ref(run.__self__)
+        del run
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_io_binding_of_a_made_session_runs_the_routines():
+    data, feeds = onnx_export("bert")
+    tool = _Counter()
+    with amanda.apply(tool):
+        with amanda.runtime.onnx.hosted_observation():
+            session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)
+    calls = tool.calls
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    for output in session.get_outputs():
+        binding.bind_output(output.name)
+    session.run_with_iobinding(binding)
+    got = binding.copy_outputs_to_cpu()
+    assert tool.calls == 2 * calls
+    assert all((a == b).all() for a, b in zip(want, got))

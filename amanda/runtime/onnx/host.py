@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -332,7 +333,7 @@ def _checked_run(run):
 
     The routine's error is raised with its own cause chained; when
     onnxruntime failed too (e.g. on a bad replacement), its error is the
-    context.
+    context. Both take the session first (see `set_run`).
     """
     def checked(*args, **kwargs):
         ident = threading.get_ident()
@@ -369,6 +370,75 @@ def run_methods():
                   if n.startswith("run") and callable(getattr(ort.InferenceSession, n)))
 
 
+def set_run(session, method, func):
+    """Make ``session.<method>`` (a run method or ``io_binding``) call
+    ``func(session, *args, **kwargs)``.
+
+    **Rule: a session amanda made holds no reference to itself.** Its run
+    methods are not functions in its ``__dict__`` (a function that calls
+    the session must refer to it, and the session would then be freed only
+    by the cyclic garbage collector, with its model and onnxruntime's
+    buffers: a loop making sessions kept every one of them). The session's
+    class becomes a subclass of its own (`_subclass_of`, the same name,
+    one per class) whose run methods look up the function installed for
+    this session in ``session._amanda_runs`` and bind it as a method does:
+    ``session.run`` held elsewhere keeps the session alive as a plain
+    session's bound method does, and a session dropped is freed at once.
+    A method nothing was installed for is the class's own."""
+    runs = session.__dict__.get("_amanda_runs")
+    if runs is None:
+        runs = session._amanda_runs = {}
+        session.__class__ = _subclass_of(type(session))
+    runs[method] = func
+
+
+def installed_run(session, method):
+    """``session.<method>`` as `set_run` installed it, or the class's own
+    function: called with the session first."""
+    found = session.__dict__.get("_amanda_runs", {}).get(method)
+    return found if found is not None else getattr(_own_class(type(session)), method)
+
+
+class _Run:
+    """A run method of `_subclass_of` (see `set_run`)."""
+
+    __slots__ = ("name", "base")
+
+    def __init__(self, name, base):
+        self.name, self.base = name, base
+
+    def __get__(self, session, owner=None):
+        if session is not None:
+            found = session.__dict__.get("_amanda_runs", {}).get(self.name)
+            if found is not None:
+                return types.MethodType(found, session)
+        return getattr(self.base, self.name).__get__(session, owner)
+
+
+_SUBCLASSES = {}   # class -> its subclass for sessions amanda made
+
+
+def _subclass_of(cls):
+    """``cls`` with the run methods of `set_run` (``cls`` itself if it is one)."""
+    if cls.__dict__.get("_amanda_subclass"):
+        return cls
+    with _LOCK:
+        made = _SUBCLASSES.get(cls)
+        if made is None:
+            names = list(run_methods()) + ["io_binding"]
+            namespace = {name: _Run(name, cls) for name in names}
+            namespace.update(__slots__=(), __module__=cls.__module__,
+                             __qualname__=cls.__qualname__, __doc__=cls.__doc__,
+                             _amanda_subclass=True)
+            made = _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    return made
+
+
+def _own_class(cls):
+    """The class a `_subclass_of` subclass was made of (``cls`` otherwise)."""
+    return cls.__bases__[0] if cls.__dict__.get("_amanda_subclass") else cls
+
+
 def refused_run(method, why):
     """A stand-in for ``session.<method>`` that raises a `BackendError`."""
     def refuse(*args, **kwargs):
@@ -386,9 +456,9 @@ def checked_session(session):
     cannot be told apart from another run's."""
     for method in run_methods():
         if method in CHECKED_RUNS:
-            setattr(session, method, _checked_run(getattr(session, method)))
+            set_run(session, method, _checked_run(installed_run(session, method)))
         else:
-            setattr(session, method, refused_run(
+            set_run(session, method, refused_run(
                 method, "its Python routines would run on onnxruntime's thread pool, where "
                 "amanda cannot raise a routine's error from the run that met it (it would "
                 "reach another run, or no one). Use session.run, run_with_ort_values or "

@@ -28,8 +28,8 @@ from amanda.runtime.onnx.bodies import (_bodies, _body_proto, _collect_proto_nam
                                         _holding_node, _hosts_routines, _node_needs,
                                         _sort_nodes)
 from amanda.runtime.onnx.host import (_HOSTED_DTYPES, CALLBACK_DOMAIN, _Callback,
-                                      _catalog, _register_callback, refused_run,
-                                      run_methods)
+                                      _catalog, _register_callback,
+                                      installed_run, refused_run, run_methods, set_run)
 from amanda.runtime.onnx.lowering import _Lowering
 from amanda.runtime.onnx.wire import graph_outputs, initializer_views
 
@@ -110,6 +110,7 @@ class _SideBranches(_Lowering):
         # per prepared tensor, its type as `graph_outputs` takes it
         self._output_types = {}
         self._type_bytes = {}   # id(TypeProto) -> (it, its bytes)
+        self._sites = None   # the prepared sites' steps (`_PreparedSites`)
         self.result = None
         if optimized is not None:
             self.take(optimized)
@@ -150,6 +151,8 @@ class _SideBranches(_Lowering):
                 for tensor in tensors:
                     if tensor not in types:
                         types[tensor] = self._type_of_output(tensor)
+            if self._sites_prepared:
+                self._sites = _PreparedSites(prepared, len(types))
         finally:
             self._leave_graph(saved)
 
@@ -185,7 +188,9 @@ class _SideBranches(_Lowering):
             self._attach(self.top, self.result.graph, self.original.graph)
         self._flush_outputs()
         if self.fetch:
-            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
+            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs,
+                                   self._sites.steps(self.fetched) if self._sites_prepared
+                                   else None)
         # weights copied in for routines that no node reads are not in the
         # model the session runs: the plan or the callbacks keep their values
         # the copies have fresh names: only what amanda appended may read
@@ -279,10 +284,8 @@ class _SideBranches(_Lowering):
         self.scope = _Available(self.result.graph, self.original.graph, None, self._users,
                                 self._available)
         try:
-            entries = self.fetched
-            for op, (action, where, hosted, tensors) in self._prepared.items():
-                entries.append((action, where, len(op.inputs), hosted,
-                                self._fetched_as(tensors)))
+            names = self._fetched_as(self._sites.tensors)
+            self.fetched = self._sites.entries(names)
         finally:
             self._leave_graph(saved[0])
             self.scope = saved[1]
@@ -568,6 +571,59 @@ class _Available:
         return name in self.available or (self.outer is not None and self.outer.visible(name))
 
 
+class _PreparedSites:
+    """The fetched routines of a top graph whose routines all observe at
+    sites, prepared while onnxruntime optimises the model
+    (`_SideBranches.prepare`): each distinct tensor once, and per routine
+    what its step (`_step`) needs but the tensors' names in the optimised
+    model, which `entries` and `steps` fill in."""
+
+    __slots__ = ("tensors", "_routines")
+
+    def __init__(self, prepared, count):
+        keys = {}
+        self.tensors = tensors = []
+        routines = []
+        for op, (action, where, hosted, observed) in prepared.items():
+            indices = []
+            for tensor in observed:
+                index = keys.get(tensor)
+                if index is None:
+                    index = keys[tensor] = len(tensors)
+                    tensors.append(tensor)
+                indices.append(index)
+            count = len(op.inputs)
+            if indices or not returns_only_none(action.func):
+                call = _bound(action.func, (), action.kwargs)
+                slots = None if len(indices) == count else hosted
+            else:
+                call, slots = _bound(action.func, (None,) * count, action.kwargs), False
+            routines.append((action, where, count, hosted, indices, call, slots))
+        self._routines = routines
+
+    def entries(self, names):
+        """``(action, where, count, hosted, names)`` per routine (as
+        `_SideBranches.fetched`), ``names`` those of `tensors`."""
+        return [(action, where, count, hosted, [names[i] for i in indices])
+                for action, where, count, hosted, indices, _, _ in self._routines]
+
+    def steps(self, entries):
+        """`_step` of each of ``entries`` (made by `entries`)."""
+        steps = []
+        for (action, where, count, _, names), (*_, call, slots) in zip(entries,
+                                                                        self._routines):
+            if slots is None:      # every tensor reaches Python
+                slots = names
+            elif slots is False:   # called as ``call()``
+                slots = None
+            else:
+                positions, slots = slots, [None] * count
+                for position, name in zip(positions, names):
+                    slots[position] = name
+            steps.append((call, slots, action, where))
+        return steps
+
+
 class _FetchPlan:
     """Observe-only routines called after the run, on the run's own buffers.
 
@@ -587,12 +643,13 @@ class _FetchPlan:
             name per hosted position])`` per routine, in program order.
         proto: the top graph of the model the session runs (outputs added).
         outputs: the names of the model's own outputs.
+        steps: the routines' `_step`s, if made already (`_PreparedSites`).
     """
 
     __slots__ = ("extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
                  "_fed_types", "read")
 
-    def __init__(self, fetched, proto, outputs):
+    def __init__(self, fetched, proto, outputs, steps=None):
         self.outputs = list(outputs)
         self._own = frozenset(self.outputs)
         self.inputs = {i.name for i in proto.input}
@@ -608,7 +665,7 @@ class _FetchPlan:
         self._fed_types = {i.name: _element_type(i) for i in proto.input if i.name in wanted}
         #: the fetched names whose values the routines read
         self.read = frozenset(self.extra) | frozenset(self._fed)
-        self._steps = [_step(*routine) for routine in fetched]
+        self._steps = steps if steps is not None else [_step(*routine) for routine in fetched]
 
     def bind(self, data, proto, views=None):
         """Read the observed initializers: views over ``data`` (the serialized
@@ -754,10 +811,11 @@ def _read_only(value):
 
 
 def _fetching_run(run, plan):
-    """``session.run`` that fetches the plan's tensors and calls its routines."""
-    def fetching(output_names, input_feed, run_options=None):
+    """``session.run`` that fetches the plan's tensors and calls its routines
+    (both take the session first, see `set_run`)."""
+    def fetching(session, output_names, input_feed, run_options=None):
         names, asked = plan.fetches(output_names)
-        results = run(names, input_feed, run_options)
+        results = run(session, names, input_feed, run_options)
         plan.call(dict(zip(names, results)), input_feed)
         return results[:asked]
     fetching.__wrapped__ = run
@@ -765,9 +823,9 @@ def _fetching_run(run, plan):
 
 
 def _fetching_run_with_ort_values(run, plan):
-    def fetching(output_names, input_dict_ort_values, run_options=None):
+    def fetching(session, output_names, input_dict_ort_values, run_options=None):
         names, asked = plan.fetches(output_names)
-        results = run(names, input_dict_ort_values, run_options)
+        results = run(session, names, input_dict_ort_values, run_options)
         # only the tensors the routines read become arrays: the user's own
         # outputs may have types numpy cannot hold (bfloat16, float8)
         plan.call({n: results[i].numpy() for i, n in enumerate(names) if n in plan.read},
@@ -782,12 +840,12 @@ def _fetch_for(session, plan):
     outputs hidden from the user (``get_outputs``, ``run(None, ...)``)."""
     mine = set(plan.outputs)
     session._outputs_meta = [o for o in session._outputs_meta if o.name in mine]
-    session.run = _fetching_run(session.run, plan)
-    session.run_with_ort_values = _fetching_run_with_ort_values(
-        session.run_with_ort_values, plan)
+    set_run(session, "run", _fetching_run(installed_run(session, "run"), plan))
+    set_run(session, "run_with_ort_values", _fetching_run_with_ort_values(
+        installed_run(session, "run_with_ort_values"), plan))
     for method in run_methods():
         if method not in ("run", "run_with_ort_values"):
-            setattr(session, method, refused_run(
+            set_run(session, method, refused_run(
                 method, "they are called after session.run (or run_with_ort_values) on the "
                 "tensors it fetches. Use those, or create the session inside "
                 "amanda.runtime.onnx.hosted_observation() to run the routines inside "

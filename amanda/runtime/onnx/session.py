@@ -32,9 +32,9 @@ from amanda.runtime.collector import paused
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx import scratch
 from amanda.runtime.onnx.bodies import _bodies_host_routines
-from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_session,
-                                      extensions, owned_by,
-                                      run_methods, session_options)
+from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, _own_class,
+                                      checked_session, extensions, owned_by, run_methods,
+                                      session_options, set_run)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
 from amanda.runtime.onnx.sites import SitedGraph, lowerable
@@ -765,35 +765,41 @@ def _analysed_at_every_run(session):
     (outside ``amanda.disabled()``); for ``run_with_iobinding``, whose
     binding belongs to the session it was made with, ``io_binding()`` does.
     The run methods creation installed (routine error checks, the fetching
-    of observed tensors) run inside."""
-    inner = {method: session.__dict__[method] for method in run_methods()
-             if method in session.__dict__}
-    session._amanda_inner = inner
-
-    def wrap(method):
-        def run(*args, **kwargs):
-            if method != "run_with_iobinding" and not controls.state.cache \
-                    and not controls.state.disabled:
-                _made_again(session)
-            found = session._amanda_inner.get(method)
-            if found is None:     # not wrapped by creation: the class's method
-                return getattr(type(session), method)(session, *args, **kwargs)
-            return found(*args, **kwargs)
-        run.__name__ = method
-        return run
-
+    of observed tensors) run inside. Installed by `set_run`: the session
+    holds no reference to itself."""
+    session._amanda_inner = _installed(session)
     for method in run_methods():
-        setattr(session, method, wrap(method))
+        set_run(session, method, _analysing(method))
     _show_inner(session)
+    set_run(session, "io_binding", _binding_io)
 
-    def io_binding():
-        # a binding belongs to the onnxruntime session it was made with: for
-        # run_with_iobinding, the session is made again when the binding is
-        if not controls.state.cache and not controls.state.disabled:
+
+def _installed(session):
+    """The run methods installed for ``session`` (`set_run`), by name."""
+    runs = session.__dict__.get("_amanda_runs", {})
+    return {method: runs[method] for method in run_methods() if method in runs}
+
+
+def _analysing(method):
+    """``session.<method>`` under the cache rule (`_analysed_at_every_run`)."""
+    def run(session, *args, **kwargs):
+        if method != "run_with_iobinding" and not controls.state.cache \
+                and not controls.state.disabled:
             _made_again(session)
-        return type(session).io_binding(session)
+        found = session._amanda_inner.get(method)
+        if found is None:     # not installed by creation: the class's method
+            found = getattr(_own_class(type(session)), method)
+        return found(session, *args, **kwargs)
+    run.__name__ = method
+    return run
 
-    session.io_binding = io_binding
+
+def _binding_io(session):
+    # a binding belongs to the onnxruntime session it was made with: for
+    # run_with_iobinding, the session is made again when the binding is
+    if not controls.state.cache and not controls.state.disabled:
+        _made_again(session)
+    return getattr(_own_class(type(session)), "io_binding")(session)
 
 
 def _made_again(session):
@@ -803,24 +809,24 @@ def _made_again(session):
     owner = session._amanda_owner
     path_or_bytes, sess_options, providers, provider_options, kwargs, choice = \
         session._amanda_recipe
-    outer = {method: session.__dict__.pop(method) for method in run_methods()
-             if method in session.__dict__}
+    runs = session._amanda_runs
+    outer = {method: runs.pop(method) for method in run_methods() if method in runs}
     try:
         with owned_by(owner), choosing(choice), paused():
             _patched_init_owned(session, [owner], path_or_bytes, sess_options, providers,
                                 provider_options, **kwargs)
     finally:
-        session._amanda_inner = {method: session.__dict__[method] for method in run_methods()
-                                 if method in session.__dict__}
-        session.__dict__.update(outer)
+        session._amanda_inner = _installed(session)
+        runs.update(outer)
         _show_inner(session)
 
 
 def _show_inner(session):
     """Each run method's ``__wrapped__`` is the one creation installed, if
     any (what ``inspect.unwrap`` and tests look through to)."""
+    runs = session._amanda_runs
     for method in run_methods():
-        outer, inner = session.__dict__.get(method), session._amanda_inner.get(method)
+        outer, inner = runs.get(method), session._amanda_inner.get(method)
         if outer is None:
             continue
         if inner is not None:
