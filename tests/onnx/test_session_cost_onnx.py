@@ -108,8 +108,10 @@ def _long_chain(length=60):
 def test_the_collector_is_paused_while_a_session_is_instrumented():
     """Python's cyclic collector is off while amanda instruments the model
     (`amanda.runtime.collector`): no collection runs inside the creation
-    but the one young collection when the pause ends, and the collector is
-    on again after it; a collector the user turned off stays off."""
+    but young ones: one while onnxruntime optimises the model, once the IR
+    graph is dropped (`collect_young`), and one when the pause ends; the
+    collector is on again after it; a collector the user turned off stays
+    off, and amanda collects nothing then."""
     import gc
 
     import numpy as np
@@ -152,15 +154,17 @@ def test_the_collector_is_paused_while_a_session_is_instrumented():
                 session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
                 made = list(started)
                 got = session.run(None, {"x": x})
-            assert made == [0], made
+            assert made in ([0], [0, 0]), made
             assert tool.enabled == {False} and gc.isenabled()
             assert np.array_equal(got[0], want[0]) and tool.seen == 2 * 121
         gc.disable()
         try:
             tool = Look()
+            del started[:]
             with amanda.apply(tool):
                 ort.InferenceSession(data, providers=["CPUExecutionProvider"])
             assert tool.enabled == {False} and not gc.isenabled()
+            assert started == []
         finally:
             gc.enable()
     finally:

@@ -101,9 +101,11 @@ def test_sites_give_the_side_branches_what_routine_ops_give(name, fetch):
     assert sum(op.type == lowering_pass.ROUTINE for op in routine_ops) == \
         sum(op.type == lowering_pass.ROUTINE for op in sited) == 4 * len(user.graph.node)
     results = []
-    # the sites prepared while onnxruntime optimises (as a session does) or
-    # not, and the routine ops
-    for graph, prepared in ((sited, True), (sited, False), (routine_ops, False)):
+    # the sites prepared while onnxruntime optimises (as a session does,
+    # the IR graph then dropped where every routine is at a site) or not,
+    # and the routine ops
+    for graph, prepared in ((sited, "dropped"), (sited, True), (sited, False),
+                            (routine_ops, False)):
         folder, optimised = _optimised_by_onnxruntime(
             user.SerializeToString(), _plain_options(None), True, ["CPUExecutionProvider"],
             None, {})
@@ -112,11 +114,14 @@ def test_sites_give_the_side_branches_what_routine_ops_give(name, fetch):
             if prepared:
                 branches.prepare()
                 assert branches._sites_prepared == fetch
+                if prepared == "dropped" and fetch:
+                    branches.drop_graph()   # `model` then reads nothing of the IR graph
+                    assert branches.top is None and not branches.names
             branches.take(optimised)
             results.append(_plan(branches))
         finally:
             folder.cleanup()
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1] == results[2] == results[3]
     assert any("recomputed" in n for _, _, outputs in results[0][0] for n in outputs)
     # written with the routines in the dataflow, both are one model
     written = [lower(g) for g in (lowerable(sited), routine_ops)]

@@ -152,7 +152,7 @@ class _SideBranches(_Lowering):
                     if tensor not in types:
                         types[tensor] = self._type_of_output(tensor)
             if self._sites_prepared:
-                self._sites = _PreparedSites(prepared, len(types))
+                self._sites = _PreparedSites(prepared, types)
         finally:
             self._leave_graph(saved)
 
@@ -278,17 +278,32 @@ class _SideBranches(_Lowering):
         """What `_attach` does for a top graph whose routines all observe
         at sites and were prepared (fetch mode: none in a body, so its
         other ops need nothing): an entry per routine, each tensor named and
-        declared once, without walking the graph's ops again."""
-        saved = self._enter_graph(self.top), self.scope
+        declared once, from what `prepare` kept (the IR graph is not read:
+        `drop_graph`)."""
+        saved = self.graph_proto, self.scope
         self.graph_proto = self.result.graph
         self.scope = _Available(self.result.graph, self.original.graph, None, self._users,
                                 self._available)
         try:
-            names = self._fetched_as(self._sites.tensors)
+            names = []
+            for name, onnx_type in self._sites.tensors:
+                if name is not None:
+                    name = self.resolve(name)
+                    self._declare_typed(name, onnx_type)
+                names.append(name or "")
             self.fetched = self._sites.entries(names)
         finally:
-            self._leave_graph(saved[0])
-            self.scope = saved[1]
+            self.graph_proto, self.scope = saved
+
+    def drop_graph(self):
+        """Let go of the IR graph once `prepare` found every top-level
+        routine at a site (`_sites_prepared`): `model` reads only what it
+        kept. The graph is then garbage while onnxruntime still optimises
+        the model, and collected there (`_side_branch_model`)."""
+        self.top = None
+        self._prepared = None
+        self.names, self.types, self._output_types = {}, {}, {}
+        self._fetched_names, self.ops_by_name = {}, {}
 
     def _attach_body(self, op, attr, index, body, proto, original):
         self.into_bodies = True
@@ -362,6 +377,16 @@ class _SideBranches(_Lowering):
         if found is _UNTYPED:
             found = self._type_of_output(tensor)
         self._pending_outputs.append((name, found))
+        self._outputs.add(name)
+
+    def _declare_typed(self, name, onnx_type):
+        """`_declare_output` of a name whose serialized type is known."""
+        if name in self._declared:
+            return
+        self._declared.add(name)
+        if name in self._inputs or name in self._weights_here or name in self._outputs:
+            return
+        self._pending_outputs.append((name, onnx_type))
         self._outputs.add(name)
 
     def _type_of_output(self, tensor):
@@ -574,13 +599,15 @@ class _Available:
 class _PreparedSites:
     """The fetched routines of a top graph whose routines all observe at
     sites, prepared while onnxruntime optimises the model
-    (`_SideBranches.prepare`): each distinct tensor once, and per routine
+    (`_SideBranches.prepare`): each distinct tensor once, as (its name in
+    the user's model, None if absent; its serialized type), and per routine
     what its step (`_step`) needs but the tensors' names in the optimised
-    model, which `entries` and `steps` fill in."""
+    model, which `entries` and `steps` fill in. Holds nothing of the IR
+    graph."""
 
     __slots__ = ("tensors", "_routines")
 
-    def __init__(self, prepared, count):
+    def __init__(self, prepared, types):
         keys = {}
         self.tensors = tensors = []
         routines = []
@@ -590,7 +617,8 @@ class _PreparedSites:
                 index = keys.get(tensor)
                 if index is None:
                     index = keys[tensor] = len(tensors)
-                    tensors.append(tensor)
+                    tensors.append((None if tensor.attrs.get("absent") else tensor.name,
+                                    types.get(tensor)))
                 indices.append(index)
             count = len(op.inputs)
             if indices or not returns_only_none(action.func):

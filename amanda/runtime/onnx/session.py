@@ -28,7 +28,7 @@ from amanda import controls
 from amanda.errors import BackendError, NotInstrumentedWarning
 from amanda.frontends.onnx import load_model, load_model_file
 from amanda.passes.lower_actions import ROUTINE
-from amanda.runtime.collector import paused
+from amanda.runtime.collector import collect_young, paused
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx import scratch
 from amanda.runtime.onnx.bodies import _bodies_host_routines
@@ -496,6 +496,10 @@ class _Ahead:
             if overlapped:
                 _SWITCH.leave()
 
+    def running(self):
+        """Whether the optimisation is still running on its thread."""
+        return self._thread is not None and self._thread.is_alive()
+
     def result(self):
         """``(level key, folder, ModelProto)`` or None, once it is made."""
         if self._thread is not None:
@@ -587,6 +591,13 @@ def _side_branch_model(hit, given, session, options, own, providers, provider_op
                 given.ahead.discard()   # (its files removed, nothing left running)
                 given.ahead = None
                 raise
+            if branches._sites_prepared:
+                # the IR graph is garbage now: collected while onnxruntime
+                # still optimises, not after it
+                branches.drop_graph()
+                hit.side = None
+                if given.ahead.running():
+                    collect_young()
         ahead = given.ahead.result() if given.ahead is not None else None
         if ahead is not None and ahead[0] == key[:3]:
             folder, optimised = ahead[1:]
