@@ -111,6 +111,7 @@ class _SideBranches(_Lowering):
         self._output_types = {}
         self._type_bytes = {}   # id(TypeProto) -> (it, its bytes)
         self._sites = None   # the prepared sites' steps (`_PreparedSites`)
+        self._steps = self._names = None   # their steps and names (`_fetch_prepared`)
         self.result = None
         if optimized is not None:
             self.take(optimized)
@@ -188,9 +189,11 @@ class _SideBranches(_Lowering):
             self._attach(self.top, self.result.graph, self.original.graph)
         self._flush_outputs()
         if self.fetch:
-            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs,
-                                   self._sites.steps(self.fetched) if self._sites_prepared
-                                   else None)
+            if self._sites_prepared:
+                self.plan = _FetchPlan(self.fetched, self.result.graph, outputs,
+                                       self._steps, self._names)
+            else:
+                self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
         # weights copied in for routines that no node reads are not in the
         # model the session runs: the plan or the callbacks keep their values
         # the copies have fresh names: only what amanda appended may read
@@ -291,7 +294,8 @@ class _SideBranches(_Lowering):
                     name = self.resolve(name)
                     self._declare_typed(name, onnx_type)
                 names.append(name or "")
-            self.fetched = self._sites.entries(names)
+            self.fetched, self._steps = self._sites.fill(names)
+            self._names = list(dict.fromkeys(n for n in names if n))
         finally:
             self.graph_proto, self.scope = saved
 
@@ -629,27 +633,24 @@ class _PreparedSites:
             routines.append((action, where, count, hosted, indices, call, slots))
         self._routines = routines
 
-    def entries(self, names):
-        """``(action, where, count, hosted, names)`` per routine (as
-        `_SideBranches.fetched`), ``names`` those of `tensors`."""
-        return [(action, where, count, hosted, [names[i] for i in indices])
-                for action, where, count, hosted, indices, _, _ in self._routines]
-
-    def steps(self, entries):
-        """`_step` of each of ``entries`` (made by `entries`)."""
-        steps = []
-        for (action, where, count, _, names), (*_, call, slots) in zip(entries,
-                                                                        self._routines):
+    def fill(self, names):
+        """``(entries, steps)`` for ``names``, those of `tensors` in the
+        optimised model: per routine its ``(action, where, count, hosted,
+        names)`` (as `_SideBranches.fetched`) and its `_step`."""
+        entries, steps = [], []
+        for action, where, count, hosted, indices, call, slots in self._routines:
+            observed = [names[i] for i in indices]
+            entries.append((action, where, count, hosted, observed))
             if slots is None:      # every tensor reaches Python
-                slots = names
+                slots = observed
             elif slots is False:   # called as ``call()``
                 slots = None
             else:
                 positions, slots = slots, [None] * count
-                for position, name in zip(positions, names):
+                for position, name in zip(positions, observed):
                     slots[position] = name
             steps.append((call, slots, action, where))
-        return steps
+        return entries, steps
 
 
 class _FetchPlan:
@@ -671,23 +672,23 @@ class _FetchPlan:
             name per hosted position])`` per routine, in program order.
         proto: the top graph of the model the session runs (outputs added).
         outputs: the names of the model's own outputs.
-        steps: the routines' `_step`s, if made already (`_PreparedSites`).
+        steps, names: the routines' `_step`s and the names they read (each
+            once, in order), if known already (`_PreparedSites`).
     """
 
     __slots__ = ("extra", "outputs", "constants", "inputs", "_steps", "_fed", "_own",
                  "_fed_types", "read")
 
-    def __init__(self, fetched, proto, outputs, steps=None):
+    def __init__(self, fetched, proto, outputs, steps=None, names=None):
         self.outputs = list(outputs)
         self._own = frozenset(self.outputs)
         self.inputs = {i.name for i in proto.input}
-        wanted = {n for *_, names in fetched for n in names}
+        if names is None:
+            names = dict.fromkeys(n for *_, observed in fetched for n in observed)
+        wanted = set(names)
         # filled by `bind` once the model is serialized
         self.constants = dict.fromkeys(i.name for i in proto.initializer if i.name in wanted)
-        self.extra = []
-        for name in dict.fromkeys(n for *_, names in fetched for n in names):
-            if name not in self.inputs and name not in self.constants:
-                self.extra.append(name)
+        self.extra = [n for n in names if n not in self.inputs and n not in self.constants]
         # graph inputs the routines read (taken from the feed at each run)
         self._fed = [n for n in dict.fromkeys(wanted) if n in self.inputs]
         self._fed_types = {i.name: _element_type(i) for i in proto.input if i.name in wanted}
