@@ -14,6 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from benchmarks.counting import onnx_export  # noqa: E402
 from amanda.runtime.onnx import host as onnx_host  # noqa: E402
+from tests.onnx.test_onnx_users import _iobinding  # noqa: E402
 
 
 class _Counter(amanda.Tool):
@@ -135,12 +136,6 @@ def test_io_binding_of_a_made_session_runs_the_routines():
             session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     want = session.run(None, feeds)
     calls = tool.calls
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        binding.bind_cpu_input(name, value)
-    for output in session.get_outputs():
-        binding.bind_output(output.name)
-    session.run_with_iobinding(binding)
-    got = binding.copy_outputs_to_cpu()
+    got = _iobinding(session, feeds)   # (io_binding() and run_with_iobinding)
     assert tool.calls == 2 * calls
     assert all((a == b).all() for a, b in zip(want, got))
