@@ -606,8 +606,7 @@ class _PreparedSites:
     (`_SideBranches.prepare`): each distinct tensor once, as (its name in
     the user's model, None if absent; its serialized type), and per routine
     what its step (`_step`) needs but the tensors' names in the optimised
-    model, which `entries` and `steps` fill in. Holds nothing of the IR
-    graph."""
+    model, which `fill` puts in. Holds nothing of the IR graph."""
 
     __slots__ = ("tensors", "_routines")
 
