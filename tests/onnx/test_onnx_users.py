@@ -280,3 +280,28 @@ def test_a_dynamically_quantized_model(tmp_path):
         assert {np.dtype("uint8"), np.dtype("int32")} <= dtypes
         for node in model.graph.node:
             assert _same(after[node.name], [values[o] for o in node.output])
+
+
+@pytest.mark.parametrize("how", ["fetched", "hosted"])
+def test_a_users_subclass_of_inference_session_keeps_its_class_and_its_run(how):
+    """A session of a user's own ``InferenceSession`` subclass made inside
+    ``apply`` is still of that class, and its overridden ``run`` is what
+    amanda's run methods call in the end (host.set_run)."""
+    class Counting(ort.InferenceSession):
+        runs = 0
+
+        def run(self, *args, **kwargs):
+            Counting.runs += 1   # (type(self) is amanda's subclass of Counting)
+            return super().run(*args, **kwargs)
+
+    data = _model().SerializeToString()
+    want = ort.InferenceSession(data).run(None, FEEDS[0])
+    tool = Record()
+    scope = (amanda.runtime.onnx.hosted_observation() if how == "hosted"
+             else contextlib.nullcontext())
+    with scope, amanda.apply(tool):
+        session = Counting(data, providers=["CPUExecutionProvider"])
+    assert isinstance(session, Counting) and type(session).__name__ == "Counting"
+    assert type(session).__bases__ == (Counting,)
+    assert _same(session.run(None, FEEDS[0]), want)
+    assert Counting.runs == 1 and len(tool.calls) == 2 * 3

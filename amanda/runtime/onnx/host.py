@@ -416,13 +416,14 @@ class _Run:
 
 
 _SUBCLASSES = {}   # class -> its subclass for sessions amanda made
+_SUBCLASSES_LOCK = threading.Lock()   # (its own: `_LOCK` guards registration)
 
 
 def _subclass_of(cls):
     """``cls`` with the run methods of `set_run` (``cls`` itself if it is one)."""
     if cls.__dict__.get("_amanda_subclass"):
         return cls
-    with _LOCK:
+    with _SUBCLASSES_LOCK:
         made = _SUBCLASSES.get(cls)
         if made is None:
             names = list(run_methods()) + ["io_binding"]
