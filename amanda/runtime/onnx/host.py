@@ -396,7 +396,16 @@ def installed_run(session, method):
     """``session.<method>`` as `set_run` installed it, or the class's own
     function: called with the session first."""
     found = session.__dict__.get("_amanda_runs", {}).get(method)
-    return found if found is not None else getattr(_own_class(type(session)), method)
+    return found if found is not None else class_run(session, method)
+
+
+def class_run(session, method):
+    """``session.<method>`` as its own class (not `_subclass_of`) defines
+    it: a function called with the session first."""
+    cls = type(session)
+    if cls.__dict__.get("_amanda_subclass"):
+        cls = cls.__bases__[0]
+    return getattr(cls, method)
 
 
 class _Run:
@@ -433,11 +442,6 @@ def _subclass_of(cls):
                              _amanda_subclass=True)
             made = _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
     return made
-
-
-def _own_class(cls):
-    """The class a `_subclass_of` subclass was made of (``cls`` otherwise)."""
-    return cls.__bases__[0] if cls.__dict__.get("_amanda_subclass") else cls
 
 
 def refused_run(method, why):

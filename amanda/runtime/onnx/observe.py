@@ -189,11 +189,9 @@ class _SideBranches(_Lowering):
             self._attach(self.top, self.result.graph, self.original.graph)
         self._flush_outputs()
         if self.fetch:
-            if self._sites_prepared:
-                self.plan = _FetchPlan(self.fetched, self.result.graph, outputs,
-                                       self._steps, self._names)
-            else:
-                self.plan = _FetchPlan(self.fetched, self.result.graph, outputs)
+            # (`_steps` and `_names` are None where the sites were not prepared)
+            self.plan = _FetchPlan(self.fetched, self.result.graph, outputs, self._steps,
+                                   self._names)
         # weights copied in for routines that no node reads are not in the
         # model the session runs: the plan or the callbacks keep their values
         # the copies have fresh names: only what amanda appended may read
@@ -371,27 +369,28 @@ class _SideBranches(_Lowering):
         """Make ``name`` an output of the top graph (once; not for graph
         inputs and initializers, which `_FetchPlan` takes from the feed and
         the model)."""
-        if name in self._declared:
-            return
-        self._declared.add(name)
-        if name in self._inputs or name in self._weights_here or name in self._outputs:
-            return
-        # appended with the others in one merge (`_flush_outputs`)
-        found = self._output_types.get(tensor, _UNTYPED)
-        if found is _UNTYPED:
-            found = self._type_of_output(tensor)
-        self._pending_outputs.append((name, found))
-        self._outputs.add(name)
+        if self._undeclared(name):
+            found = self._output_types.get(tensor, _UNTYPED)
+            if found is _UNTYPED:
+                found = self._type_of_output(tensor)
+            # appended with the others in one merge (`_flush_outputs`)
+            self._pending_outputs.append((name, found))
 
     def _declare_typed(self, name, onnx_type):
         """`_declare_output` of a name whose serialized type is known."""
+        if self._undeclared(name):
+            self._pending_outputs.append((name, onnx_type))
+
+    def _undeclared(self, name):
+        """Whether ``name`` is to be declared an output now (it then counts
+        as one): not seen before, not an input, initializer or output."""
         if name in self._declared:
-            return
+            return False
         self._declared.add(name)
         if name in self._inputs or name in self._weights_here or name in self._outputs:
-            return
-        self._pending_outputs.append((name, onnx_type))
+            return False
         self._outputs.add(name)
+        return True
 
     def _type_of_output(self, tensor):
         """The tensor's ``TypeProto`` serialized (the same bytes for the
@@ -624,12 +623,8 @@ class _PreparedSites:
                                     types.get(tensor)))
                 indices.append(index)
             count = len(op.inputs)
-            if indices or not returns_only_none(action.func):
-                call = _bound(action.func, (), action.kwargs)
-                slots = None if len(indices) == count else hosted
-            else:
-                call, slots = _bound(action.func, (None,) * count, action.kwargs), False
-            routines.append((action, where, count, hosted, indices, call, slots))
+            call, places = _calling(action, count, hosted, len(indices))
+            routines.append((action, where, count, hosted, indices, call, places))
         self._routines = routines
 
     def fill(self, names):
@@ -637,18 +632,10 @@ class _PreparedSites:
         optimised model: per routine its ``(action, where, count, hosted,
         names)`` (as `_SideBranches.fetched`) and its `_step`."""
         entries, steps = [], []
-        for action, where, count, hosted, indices, call, slots in self._routines:
+        for action, where, count, hosted, indices, call, places in self._routines:
             observed = [names[i] for i in indices]
             entries.append((action, where, count, hosted, observed))
-            if slots is None:      # every tensor reaches Python
-                slots = observed
-            elif slots is False:   # called as ``call()``
-                slots = None
-            else:
-                positions, slots = slots, [None] * count
-                for position, name in zip(positions, observed):
-                    slots[position] = name
-            steps.append((call, slots, action, where))
+            steps.append((call, _placed(places, count, observed), action, where))
         return entries, steps
 
 
@@ -810,15 +797,30 @@ def _step(action, where, count, hosted, names):
     selected tensor Python cannot take, and its keyword arguments), ``slots``
     None; any other gets the views of ``names`` at its ``hosted`` positions
     (None elsewhere)."""
-    if names or not returns_only_none(action.func):
-        if len(names) == count:   # every tensor reaches Python
-            slots = names
-        else:
-            slots = [None] * count
-            for position, name in zip(hosted, names):
-                slots[position] = name
-        return _bound(action.func, (), action.kwargs), slots, action, where
-    return _bound(action.func, (None,) * count, action.kwargs), None, action, where
+    call, places = _calling(action, count, hosted, len(names))
+    return call, _placed(places, count, names), action, where
+
+
+def _calling(action, count, hosted, observed):
+    """What `_step` knows before the tensors' names: ``(func, places)`` for
+    a routine whose ``observed`` tensors (at positions ``hosted``) reach
+    Python; ``places`` False: it is called as ``func()``; None: the names
+    are its slots; else the positions they go to (`_placed`)."""
+    if observed or not returns_only_none(action.func):
+        return _bound(action.func, (), action.kwargs), None if observed == count else hosted
+    return _bound(action.func, (None,) * count, action.kwargs), False
+
+
+def _placed(places, count, names):
+    """The slots of a step (`_calling`'s ``places``) for ``names``."""
+    if places is None:      # every tensor reaches Python
+        return names
+    if places is False:     # called as ``func()``
+        return None
+    slots = [None] * count
+    for position, name in zip(places, names):
+        slots[position] = name
+    return slots
 
 
 def _bound(func, args, kwargs):

@@ -32,8 +32,8 @@ from amanda.runtime.collector import collect_young, paused
 from amanda.runtime.driver import Driver
 from amanda.runtime.onnx import scratch
 from amanda.runtime.onnx.bodies import _bodies_host_routines
-from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, _own_class,
-                                      checked_session, extensions, owned_by, run_methods,
+from amanda.runtime.onnx.host import (CALLBACK_DOMAIN, _original_init, checked_session,
+                                      class_run, extensions, owned_by, run_methods,
                                       session_options, set_run)
 from amanda.runtime.onnx.instrument import _instrument
 from amanda.runtime.onnx.lowering import lower
@@ -799,7 +799,7 @@ def _analysing(method):
             _made_again(session)
         found = session._amanda_inner.get(method)
         if found is None:     # not installed by creation: the class's method
-            found = getattr(_own_class(type(session)), method)
+            found = class_run(session, method)
         return found(session, *args, **kwargs)
     run.__name__ = method
     return run
@@ -810,7 +810,7 @@ def _binding_io(session):
     # run_with_iobinding, the session is made again when the binding is
     if not controls.state.cache and not controls.state.disabled:
         _made_again(session)
-    return getattr(_own_class(type(session)), "io_binding")(session)
+    return class_run(session, "io_binding")(session)
 
 
 def _made_again(session):
